@@ -1,0 +1,205 @@
+"""Dense Qwen3 as a megatron-core GPTModel: a TransformerConfig plus a layer spec.
+
+The Hugging Face ``config.json`` is the single source of truth for the architecture;
+:func:`qwen3_config_from_hf` validates it and :func:`build_gpt_model` turns it into one
+pipeline stage of a megatron-core ``GPTModel``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+try:  # Transformer Engine is optional (GPU only)
+    import transformer_engine  # noqa: F401
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    HAVE_TE = True
+except Exception:  # pragma: no cover - TE is never importable on the CPU CI machine
+    HAVE_TE = False
+
+__all__ = ["Qwen3Arch", "qwen3_config_from_hf", "load_hf_config", "padded_vocab_size",
+           "layer_spec", "transformer_config", "build_gpt_model", "HAVE_TE"]
+
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "vocab_size")
+
+
+class ConfigError(ValueError):
+    """A model config (or parallel layout) that cannot be built; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Qwen3Arch:
+    """The architecture facts of a dense Qwen3 model, read from an HF config."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    rope_scaling: dict | None = None
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+def load_hf_config(hf_dir: str | Path) -> dict:
+    """Read ``config.json`` from an HF model directory, with a clear error when absent."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no config.json; pass the directory of a Hugging Face model")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})") from exc
+
+
+def qwen3_config_from_hf(cfg: Mapping[str, Any]) -> Qwen3Arch:
+    """Validate a dense Qwen3 HF config dict and return its :class:`Qwen3Arch`."""
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if model_type != "qwen3" or (archs and "Qwen3ForCausalLM" not in archs):
+        raise ConfigError(
+            f"config.json: model_type={model_type!r} architectures={archs!r}; only dense Qwen3 "
+            "(model_type 'qwen3', Qwen3ForCausalLM) is supported"
+        )
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise ConfigError(f"config.json: missing field(s) {missing}")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"config.json: rope_type {rope_type!r} unsupported (default or yarn)")
+    heads = cfg["num_attention_heads"]
+    return Qwen3Arch(
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_query_groups=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg.get("max_position_embeddings", 40960),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=dict(rope) if rope_type == "yarn" else None,
+        hf_config=dict(cfg),
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Megatron's vocab padding: a multiple of ``multiple * tp``."""
+    step = multiple * tp
+    return int(math.ceil(vocab_size / step) * step)
+
+
+def check_parallel_layout(arch: Qwen3Arch, tp: int, pp: int) -> None:
+    """Raise :class:`ConfigError` naming the flag when TP/PP cannot split this model."""
+    if arch.num_attention_heads % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide "
+                          f"num_attention_heads={arch.num_attention_heads}")
+    if arch.num_query_groups % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide "
+                          f"num_key_value_heads={arch.num_query_groups}")
+    if arch.num_layers % pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide "
+                          f"num_hidden_layers={arch.num_layers}")
+
+
+def layer_spec(use_te: bool | None = None) -> ModuleSpec:
+    """Transformer Engine spec when TE imports (GPU), megatron-core's local spec otherwise."""
+    use_te = HAVE_TE if use_te is None else use_te
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+
+
+def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
+                       params_dtype: torch.dtype = torch.float32,
+                       **overrides: Any) -> TransformerConfig:
+    """The megatron-core TransformerConfig of a Qwen3 model at a TP/PP layout."""
+    check_parallel_layout(arch, tp, pp)
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        init_method_std=0.02,
+        use_cpu_initialization=True,
+    )
+    kwargs.update(overrides)
+    cfg = TransformerConfig(**kwargs)
+    if arch.rope_scaling:
+        rs = arch.rope_scaling
+        cfg.yarn_rotary_scaling_factor = float(rs.get("factor", 1.0))
+        cfg.yarn_original_max_position_embeddings = int(
+            rs.get("original_max_position_embeddings", arch.max_position_embeddings))
+        cfg.yarn_beta_fast = float(rs.get("beta_fast", 32.0))
+        cfg.yarn_beta_slow = float(rs.get("beta_slow", 1.0))
+        cfg.yarn_mscale = float(rs.get("mscale", 1.0))
+        cfg.yarn_mscale_all_dim = float(rs.get("mscale_all_dim", 0.0))
+        cfg.yarn_correction_range_round_to_int = True
+    return cfg
+
+
+def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: bool | None = None,
+                    post_process: bool | None = None, use_te: bool | None = None) -> GPTModel:
+    """One pipeline stage of the Qwen3 GPTModel (stage flags default to this rank's)."""
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(use_te),
+        vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="yarn" if arch.rope_scaling else "rope",
+        rotary_base=int(arch.rope_theta),
+    )
