@@ -219,3 +219,26 @@ def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = Tr
     if with_optimizer:
         engine.optimizer, engine.scheduler = build_optimizer(model, cfg)
     return engine
+
+
+def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
+    """Resume from ``--load`` when it holds a checkpoint, else load ``--hf-checkpoint`` weights.
+
+    Returns the :class:`~megatron_klear.checkpoint.state.CheckpointInfo` of a resumed run,
+    or None for a fresh start.
+    """
+    from megatron_klear.checkpoint.convert import SafetensorsReader
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.checkpoint.state import load_checkpoint
+
+    cfg = engine.cfg
+    for src in (cfg.load, cfg.save):  # a restarted job resumes from its own --save dir
+        if src:
+            info = load_checkpoint(src, engine.model,
+                                   optimizer=engine.optimizer if with_optimizer else None,
+                                   scheduler=engine.scheduler if with_optimizer else None)
+            if info is not None:
+                return info
+    if cfg.hf_checkpoint:
+        load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
+    return None
