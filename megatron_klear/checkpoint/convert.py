@@ -118,6 +118,10 @@ class SafetensorsReader:
         """All tensor names across shards."""
         return list(self._where)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the shard header (no data read)."""
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(name)
@@ -141,6 +145,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     _check_out_dir(out_dir, overwrite)
     reader = SafetensorsReader(hf_dir)
     hf_bridge.check_hf_names(reader.names(), arch)
+    for name in reader.names():
+        hf_bridge.check_hf_shape(name, reader.shape(name), arch)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     run_tp, run_pp = (tp, pp) if world > 1 else (1, 1)
     init_parallel(run_tp, run_pp)

@@ -30,7 +30,7 @@ from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
 
 __all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
            "export_hf_weights", "hf_state_dict_from_megatron", "split_for_rank", "merge_shards",
-           "unwrap_model", "check_hf_names", "hf_shape"]
+           "unwrap_model", "check_hf_names", "check_hf_shape", "hf_shape"]
 
 HfTensors = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
 
@@ -240,11 +240,16 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch,
     for name, param, rule, hf in _params(model_chunks, arch):
         full = [get(n) for n in hf]
         for n, t in zip(hf, full):
-            if tuple(t.shape) != hf_shape(n, arch):
-                raise BridgeError(f"shape mismatch for tensor {n!r}: the checkpoint has "
-                                  f"{tuple(t.shape)}, config.json implies {hf_shape(n, arch)}")
+            check_hf_shape(n, tuple(t.shape), arch)
         shard = split_for_rank(rule.kind, full, arch, tp, rank)
         param.copy_(shard)
+
+
+def check_hf_shape(name: str, shape: tuple[int, ...], arch: Qwen3Arch) -> None:
+    """Raise :class:`BridgeError` naming ``name`` when its shape disagrees with config.json."""
+    if tuple(shape) != hf_shape(name, arch):
+        raise BridgeError(f"shape mismatch for tensor {name!r}: the checkpoint has "
+                          f"{tuple(shape)}, config.json implies {hf_shape(name, arch)}")
 
 
 def hf_shape(name: str, arch: Qwen3Arch) -> tuple[int, ...]:
