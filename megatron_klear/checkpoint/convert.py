@@ -75,6 +75,14 @@ def build_model(arch: qwen3.Qwen3Arch, dtype: torch.dtype = torch.float32) -> to
     return qwen3.build_gpt_model(arch, config).eval()
 
 
+def _check_layout(arch: qwen3.Qwen3Arch, tp: int, pp: int) -> None:
+    try:
+        qwen3.check_parallel_layout(arch, tp, pp)
+    except qwen3.ConfigError as exc:
+        raise ConversionError(f"--tp {tp} / --pp {pp}: {exc}; choose sizes that divide the "
+                              "model") from exc
+
+
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not overwrite:
         raise ConversionError(f"--out-dir {out_dir} already exists; pass --overwrite to replace "
@@ -141,7 +149,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
         raise ConversionError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     hf_config = qwen3.load_hf_config(hf_dir)
     arch = qwen3.qwen3_config_from_hf(hf_config)
-    qwen3.check_parallel_layout(arch, tp, pp)
+    _check_layout(arch, tp, pp)
     _check_out_dir(out_dir, overwrite)
     reader = SafetensorsReader(hf_dir)
     hf_bridge.check_hf_names(reader.names(), arch)
@@ -295,7 +303,7 @@ def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1,
     """
     hf_config = qwen3.load_hf_config(hf_dir)
     arch = qwen3.qwen3_config_from_hf(hf_config)
-    qwen3.check_parallel_layout(arch, tp, pp)
+    _check_layout(arch, tp, pp)
     if find_latest_checkpoint(megatron_dir) is None:
         raise ConversionError(f"--megatron-dir {megatron_dir}: no complete checkpoint found")
     init_parallel(tp, pp)
