@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["POLICY_LOSSES", "register_policy_loss", "per_token_policy_loss", "policy_loss",
-           "policy_metrics", "clip_cases", "sft_loss", "aggregate", "masked_mean",
-           "global_token_count"]
+           "policy_metrics", "clip_cases", "check_loss_args", "sft_loss", "aggregate",
+           "masked_mean", "global_token_count"]
 
 PerTokenLoss = Callable[..., Tensor]
 POLICY_LOSSES: dict[str, PerTokenLoss] = {}
@@ -57,18 +57,26 @@ class ClipCases(NamedTuple):
     dual: Tensor
 
 
+def check_loss_args(name: str, dual_clip: float | None) -> None:
+    """Validate the loss name and the dual clip (shared by every backend of the loss)."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
+    if dual_clip is None:
+        return
+    if name == "cispo":
+        raise ValueError("dual_clip applies to the ppo/gppo losses, not cispo; pass dual_clip=None")
+    if dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (got {dual_clip}); pass None to disable it")
+
+
 def clip_cases(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
                dual_clip: float | None) -> ClipCases:
     """Classify tokens into the low / high / dual clip cases of the GPPO table."""
     r = ratio.detach()
     low = (advantages < 0) & (r < 1.0 - eps_low)
     high = (advantages > 0) & (r > 1.0 + eps_high)
-    if dual_clip is None:
-        dual = torch.zeros_like(low)
-    else:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (got {dual_clip}); pass None to disable it")
-        dual = (advantages < 0) & (r > dual_clip)
+    check_loss_args("ppo", dual_clip)
+    dual = torch.zeros_like(low) if dual_clip is None else (advantages < 0) & (r > dual_clip)
     return ClipCases(r, low, high, dual)
 
 
@@ -113,8 +121,7 @@ def gppo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, eps
 def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, eps_low: float = 0.2,
                eps_high: float = 0.28, dual_clip: float | None = None, **_: float) -> Tensor:
     """CISPO: -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp (REINFORCE with clipped IS weight)."""
-    if dual_clip is not None:
-        raise ValueError("dual_clip applies to the ppo/gppo losses, not cispo; pass dual_clip=None")
+    check_loss_args("cispo", dual_clip)
     ratio = torch.exp(logprobs - old_logprobs).detach()
     return -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages * logprobs
 
@@ -122,8 +129,7 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, ep
 def per_token_policy_loss(name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
                           **kw: float | None) -> Tensor:
     """Per-token loss [T] of the registered loss ``name`` (differentiable w.r.t. logprobs)."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}")
+    check_loss_args(name, kw.get("dual_clip"))
     return POLICY_LOSSES[name](logprobs, old_logprobs, advantages, **kw)
 
 
