@@ -404,10 +404,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    server = RolloutServer(Generator(args.model, seed=args.seed, dtype=getattr(torch, args.dtype),
-                                     load_format=args.load_format),
-                           max_batch_seqs=args.max_batch_seqs)
+def _load_generator(args: argparse.Namespace) -> Generator:
+    """The model of ``--model``, or SystemExit naming the flag and what is wrong."""
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"--model {args.model}: no config.json; pass the directory of a "
+                         "Hugging Face Qwen3 checkpoint")
+    try:
+        return Generator(args.model, seed=args.seed, dtype=getattr(torch, args.dtype),
+                         load_format=args.load_format)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"--model {args.model}: cannot load a Qwen3 model ({exc})") from exc
+
+
+async def _serve(args: argparse.Namespace, generator: Generator) -> None:
+    server = RolloutServer(generator, max_batch_seqs=args.max_batch_seqs)
     runner = web.AppRunner(build_app(server), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -424,13 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(max(1, args.num_threads))
-    from megatron_klear.models.qwen3 import ConfigError, load_hf_config, qwen3_config_from_hf
-
-    try:
-        qwen3_config_from_hf(load_hf_config(args.model))
-    except ConfigError as exc:
-        raise SystemExit(f"--model: {exc}") from exc
-    asyncio.run(_serve(args))
+    asyncio.run(_serve(args, _load_generator(args)))
 
 
 if __name__ == "__main__":
