@@ -1,0 +1,307 @@
+"""The one mapping between Hugging Face Qwen3 tensors and megatron-core parameters.
+
+Every consumer (HF -> Megatron loading, Megatron -> HF export for the converters, weight
+sync to SGLang) goes through the :data:`RULES` table below, so a fix lands everywhere.
+
+A rule names the HF tensor(s), the megatron-core parameter names in the local spec and in
+the Transformer Engine spec (where the input/pre-MLP RMSNorms are fused into
+``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``) and a *kind* that says how the
+full tensor is split over tensor-parallel ranks and merged back:
+
+* ``replicated`` -- every TP rank holds the full tensor (norms);
+* ``column`` / ``row`` -- split on the output (0) / input (1) dimension;
+* ``vocab`` -- column split after zero-padding the vocabulary to Megatron's padded size;
+* ``qkv`` -- q/k/v stacked per query group ([q heads of the group, k, v]), then split;
+* ``gate_up`` -- each rank holds [gate shard; up shard], so halves regroup per rank.
+
+Pipeline parallelism needs no table entry: each transformer layer knows its global
+``layer_number``, which maps ``decoder.layers.{j}`` to ``model.layers.{i}``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
+
+__all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
+           "export_hf_weights", "hf_state_dict_from_megatron", "split_for_rank", "merge_shards",
+           "unwrap_model", "check_hf_names", "check_hf_shape", "hf_shape"]
+
+HfTensors = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+class BridgeError(ValueError):
+    """A checkpoint that does not match the model; the message names the tensor."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One HF <-> Megatron correspondence.
+
+    ``hf`` templates use ``{i}`` for the global layer index; ``megatron`` templates use
+    ``{j}`` for the layer index inside a model chunk (local spec name first, then TE).
+    """
+
+    hf: tuple[str, ...]
+    megatron: tuple[str, ...]
+    kind: str
+
+
+_L = "model.layers.{i}."
+_M = "decoder.layers.{j}."
+RULES: tuple[Rule, ...] = (
+    Rule(("model.embed_tokens.weight",), ("embedding.word_embeddings.weight",), "vocab"),
+    Rule(("model.norm.weight",), ("decoder.final_layernorm.weight",), "replicated"),
+    Rule(("lm_head.weight",), ("output_layer.weight",), "vocab"),
+    Rule((_L + "input_layernorm.weight",),
+         (_M + "input_layernorm.weight", _M + "self_attention.linear_qkv.layer_norm_weight"),
+         "replicated"),
+    Rule((_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight",
+          _L + "self_attn.v_proj.weight"), (_M + "self_attention.linear_qkv.weight",), "qkv"),
+    Rule((_L + "self_attn.o_proj.weight",), (_M + "self_attention.linear_proj.weight",), "row"),
+    Rule((_L + "self_attn.q_norm.weight",), (_M + "self_attention.q_layernorm.weight",),
+         "replicated"),
+    Rule((_L + "self_attn.k_norm.weight",), (_M + "self_attention.k_layernorm.weight",),
+         "replicated"),
+    Rule((_L + "post_attention_layernorm.weight",),
+         (_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
+         "replicated"),
+    Rule((_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+         (_M + "mlp.linear_fc1.weight",), "gate_up"),
+    Rule((_L + "mlp.down_proj.weight",), (_M + "mlp.linear_fc2.weight",), "row"),
+)
+
+
+def _compile(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{j\}", r"(\d+)") + "$")
+
+
+_PATTERNS: tuple[tuple[re.Pattern, Rule], ...] = tuple(
+    (_compile(t), rule) for rule in RULES for t in rule.megatron)
+
+
+def hf_tensor_names(arch: Qwen3Arch) -> list[str]:
+    """Every tensor name a Hugging Face checkpoint of ``arch`` holds (HF tying convention)."""
+    names = []
+    for rule in RULES:
+        for t in rule.hf:
+            if "{i}" in t:
+                names.extend(t.format(i=i) for i in range(arch.num_layers))
+            elif not (t == "lm_head.weight" and arch.tie_word_embeddings):
+                names.append(t)
+    return names
+
+
+# ---------------------------------------------------------------- TP split / merge
+def _qkv_groups(arch: Qwen3Arch) -> tuple[int, int, int]:
+    return arch.num_query_groups, arch.num_attention_heads // arch.num_query_groups, arch.head_dim
+
+
+def split_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int,
+                   rank: int) -> torch.Tensor:
+    """This TP rank's shard of the Megatron parameter built from full HF tensors."""
+    if kind == "replicated":
+        return full[0]
+    if kind == "column":
+        return full[0].chunk(tp, dim=0)[rank]
+    if kind == "row":
+        return full[0].chunk(tp, dim=1)[rank]
+    if kind == "vocab":
+        w = full[0]
+        pad = padded_vocab_size(arch.vocab_size, tp) - w.shape[0]
+        w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])]) if pad else w
+        return w.chunk(tp, dim=0)[rank]
+    if kind == "qkv":
+        q, k, v = full
+        groups, per_group, head_dim = _qkv_groups(arch)
+        hidden = q.shape[-1]
+        stacked = torch.cat([q.reshape(groups, per_group * head_dim, hidden),
+                             k.reshape(groups, head_dim, hidden),
+                             v.reshape(groups, head_dim, hidden)], dim=1)
+        return stacked.reshape(-1, hidden).chunk(tp, dim=0)[rank]
+    if kind == "gate_up":
+        gate, up = full
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    raise ValueError(f"unknown rule kind {kind!r}")
+
+
+def merge_shards(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list[torch.Tensor]:
+    """The full HF tensors (in ``Rule.hf`` order) from all TP ranks' shards, rank order."""
+    if kind == "replicated":
+        return [shards[0]]
+    if kind == "column":
+        return [torch.cat(shards, dim=0)]
+    if kind == "row":
+        return [torch.cat(shards, dim=1)]
+    if kind == "vocab":
+        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
+    if kind == "qkv":
+        groups, per_group, head_dim = _qkv_groups(arch)
+        hidden = shards[0].shape[-1]
+        stacked = torch.cat(shards, dim=0).reshape(groups, per_group + 2, head_dim, hidden)
+        return [stacked[:, :per_group].reshape(-1, hidden),
+                stacked[:, per_group].reshape(-1, hidden),
+                stacked[:, per_group + 1].reshape(-1, hidden)]
+    if kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise ValueError(f"unknown rule kind {kind!r}")
+
+
+# ---------------------------------------------------------------- model walking
+def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def _tp() -> tuple[int, int, object]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0, None
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_group())
+
+
+def _global_layer(model: torch.nn.Module, local: int) -> int:
+    return model.decoder.layers[local].layer_number - 1
+
+
+def _params(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
+            ) -> Iterator[tuple[str, torch.nn.Parameter, Rule, list[str]]]:
+    """(megatron name, parameter, rule, HF names) for every parameter of these chunks."""
+    for chunk in model_chunks:
+        model = unwrap_model(chunk)
+        for name, param in model.named_parameters():
+            rule, match = next(((r, m) for p, r in _PATTERNS if (m := p.match(name))),
+                               (None, None))
+            if rule is None:
+                raise BridgeError(f"megatron parameter {name!r} has no Hugging Face mapping "
+                                  "(only dense Qwen3 is supported)")
+            layer = _global_layer(model, int(match.group(1))) if match.groups() else None
+            hf = [t.format(i=layer) for t in rule.hf]
+            if hf == ["lm_head.weight"] and arch.tie_word_embeddings:
+                hf = ["model.embed_tokens.weight"]  # last-stage copy of the tied embedding
+            yield name, param, rule, hf
+
+
+# ---------------------------------------------------------------- HF -> Megatron
+def _getter(hf_tensors: HfTensors) -> Callable[[str], torch.Tensor]:
+    if isinstance(hf_tensors, Mapping):
+        def get(name: str) -> torch.Tensor:
+            if name not in hf_tensors:
+                raise BridgeError(f"missing tensor {name!r} in the Hugging Face checkpoint")
+            return hf_tensors[name]
+        return get
+
+    def get_callable(name: str) -> torch.Tensor:
+        try:
+            return hf_tensors(name)
+        except KeyError as exc:
+            raise BridgeError(f"missing tensor {name!r} in the Hugging Face checkpoint") from exc
+    return get_callable
+
+
+def check_hf_names(names: list[str] | set[str], arch: Qwen3Arch) -> None:
+    """Raise :class:`BridgeError` naming the first missing or unexpected HF tensor."""
+    expected = set(hf_tensor_names(arch))
+    allowed = expected | ({"lm_head.weight"} if arch.tie_word_embeddings else set())
+    unexpected = sorted(set(names) - allowed)
+    if unexpected:
+        raise BridgeError(f"unexpected tensor {unexpected[0]!r} in the Hugging Face checkpoint "
+                          f"({len(unexpected)} unexpected); it is not part of a dense Qwen3 "
+                          f"with {arch.num_layers} layers")
+    missing = sorted(expected - set(names))
+    if missing:
+        raise BridgeError(f"missing tensor {missing[0]!r} in the Hugging Face checkpoint "
+                          f"({len(missing)} missing)")
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch,
+                    hf_tensors: HfTensors) -> None:
+    """Fill this rank's parameter shards from full HF tensors (TP split, PP offsets, padding).
+
+    ``hf_tensors`` is a mapping (checked for missing and unexpected names) or a callable
+    ``name -> tensor`` (e.g. over lazily opened safetensors shards; raises ``KeyError`` for a
+    missing name). Shapes are checked per tensor; errors name the tensor.
+    """
+    if isinstance(hf_tensors, Mapping):
+        check_hf_names(list(hf_tensors.keys()), arch)
+    get = _getter(hf_tensors)
+    tp, rank, _ = _tp()
+    for name, param, rule, hf in _params(model_chunks, arch):
+        full = [get(n) for n in hf]
+        for n, t in zip(hf, full):
+            check_hf_shape(n, tuple(t.shape), arch)
+        shard = split_for_rank(rule.kind, full, arch, tp, rank)
+        param.copy_(shard)
+
+
+def check_hf_shape(name: str, shape: tuple[int, ...], arch: Qwen3Arch) -> None:
+    """Raise :class:`BridgeError` naming ``name`` when its shape disagrees with config.json."""
+    if tuple(shape) != hf_shape(name, arch):
+        raise BridgeError(f"shape mismatch for tensor {name!r}: the checkpoint has "
+                          f"{tuple(shape)}, config.json implies {hf_shape(name, arch)}")
+
+
+def hf_shape(name: str, arch: Qwen3Arch) -> tuple[int, ...]:
+    """The shape ``config.json`` implies for the HF tensor ``name``."""
+    h, ffn, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
+    suffix = re.sub(r"^model\.layers\.\d+\.", "", name)
+    shapes = {
+        "model.embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),
+        "model.norm.weight": (h,), "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+        "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (ffn, h),
+        "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn),
+    }
+    if suffix not in shapes:
+        raise BridgeError(f"unexpected tensor {name!r}: not part of a dense Qwen3 checkpoint")
+    return shapes[suffix]
+
+
+# ---------------------------------------------------------------- Megatron -> HF
+def _gather_tp(shard: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    if tp == 1:
+        return [shard]
+    out = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(out, shard.contiguous(), group=group)
+    return out
+
+
+@torch.no_grad()
+def export_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield full HF-named tensors for the layers of THIS pipeline stage.
+
+    Collective over the tensor-parallel group: every TP rank of the stage must iterate it
+    to the end, and every TP rank receives the full tensors. Vocabulary padding is
+    stripped; with tied embeddings ``lm_head.weight`` is not emitted (HF convention).
+    Tensors keep the parameters' dtype and are fresh copies.
+    """
+    tp, _, group = _tp()
+    for _, param, rule, hf in _params(model_chunks, arch):
+        if rule.megatron[0] == "output_layer.weight" and arch.tie_word_embeddings:
+            continue
+        merged = merge_shards(rule.kind, _gather_tp(param.detach(), tp, group), arch)
+        for n, t in zip(hf, merged):
+            yield n, t.clone() if rule.kind == "replicated" else t.contiguous()
+
+
+def hf_state_dict_from_megatron(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
+                                ) -> dict[str, torch.Tensor]:
+    """This stage's HF state dict (see :func:`export_hf_weights`); collective over TP."""
+    return dict(export_hf_weights(model_chunks, arch))

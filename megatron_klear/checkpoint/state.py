@@ -1,0 +1,308 @@
+"""Training-state checkpoints shared by every trainer and by the HF -> Megatron converter.
+
+On-disk layout (Megatron-LM-like)::
+
+    <dir>/iter_0000010/                 megatron dist_checkpointing ``torch_dist`` save of
+                                        {"model" | "model0", "model1", ..., "optimizer",
+                                         "opt_param_scheduler", "extra"}
+    <dir>/iter_0000010/rng/rank_00000.pt  per-rank RNG states (python, numpy, torch, tracker)
+    <dir>/iter_0000010/klear_meta.json  written LAST: iteration, tp, pp, world size, dtype,
+                                        hf_config, contents, file sizes, complete: true
+    <dir>/latest_checkpointed_iteration.txt
+
+A save goes into ``<dir>/.iter_0000010.tmp``, is fsynced, then renamed into place, and only
+then the ``latest`` marker is replaced (atomically). A checkpoint without a valid
+``klear_meta.json`` or whose files do not match the sizes recorded there is partial or
+corrupt: :func:`find_latest_checkpoint` skips it with a warning.
+
+Resharding: model weights load at any TP/PP layout (dist_checkpointing reshards them).
+The non-distributed megatron optimizer (the CPU default) stores its Adam moments as
+ShardedTensors keyed like the parameters plus one common step, so it reshards too;
+the distributed optimizer is not supported here. RNG states are restored only when the
+layout (TP, PP, world size) is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_klear.checkpoint.hf_bridge import unwrap_model
+
+__all__ = ["CheckpointInfo", "CheckpointError", "save_checkpoint", "load_checkpoint",
+           "find_latest_checkpoint", "read_meta", "iteration_dir", "FORMAT_VERSION",
+           "META_FILE", "LATEST_FILE"]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_FILE = "klear_meta.json"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be used; the message names the path."""
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`load_checkpoint` restored."""
+
+    iteration: int
+    extra: dict = field(default_factory=dict)
+    path: Path | None = None
+    hf_config: dict | None = None
+
+
+def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
+    """``<save_dir>/iter_0000010`` for iteration 10."""
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+# ---------------------------------------------------------------- small helpers
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {"tp": 1, "pp": 1, "world_size": _world()}
+    return {"tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "world_size": _world()}
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a fsynced temp file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != META_FILE}
+
+
+def _model_keys(n_chunks: int) -> list[str]:
+    return ["model"] if n_chunks == 1 else [f"model{i}" for i in range(n_chunks)]
+
+
+def _model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
+    return {key: unwrap_model(chunk).sharded_state_dict()
+            for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks)}
+
+
+# ---------------------------------------------------------------- RNG
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ---------------------------------------------------------------- save
+def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[torch.nn.Module], *,
+                    optimizer=None, scheduler=None, extra: dict | None = None,
+                    hf_config: dict | None = None, keep_last: int | None = None) -> Path:
+    """Save model (+ optimizer, scheduler, extra, per-rank RNG) as ``iter_XXXXXXX``.
+
+    Collective over all ranks. Writes into a temp dir next to the final one, fsyncs,
+    renames, then updates the ``latest`` marker; keeps the newest ``keep_last`` checkpoints
+    when given. The previous checkpoints stay intact if this save dies midway.
+    """
+    from megatron.core import dist_checkpointing
+
+    save_dir = Path(save_dir)
+    final = iteration_dir(save_dir, iteration)
+    tmp = save_dir / f".{final.name}.tmp"
+    if _rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = _model_sharded_state_dict(model_chunks)
+    contents = list(state)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state)
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    state["extra"] = dict(extra or {})
+    contents += [k for k in ("optimizer", "opt_param_scheduler") if k in state]
+    dist_checkpointing.save(state, str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    _barrier()
+    if _rank() == 0:
+        _publish(tmp, final, iteration, model_chunks, contents, hf_config, keep_last)
+    _barrier()
+    return final
+
+
+def _publish(tmp: Path, final: Path, iteration: int, model_chunks: list[torch.nn.Module],
+             contents: list[str], hf_config: dict | None, keep_last: int | None) -> None:
+    """Rank 0: meta last, fsync, rename into place, move the marker, prune old ones."""
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            _fsync_path(path)
+    dtype = next(unwrap_model(model_chunks[0]).parameters()).dtype
+    meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **_layout(),
+            "num_model_chunks": len(model_chunks), "params_dtype": str(dtype).replace("torch.", ""),
+            "contents": contents, "hf_config": hf_config, "files": _file_sizes(tmp),
+            "complete": True}
+    _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
+    if final.exists():  # re-saving an iteration: replace it only once the new one is whole
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_path(final.parent)
+    _write_atomic(final.parent / LATEST_FILE, f"{iteration}\n")
+    if keep_last:
+        for old in _iteration_dirs(final.parent)[keep_last:]:
+            shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------- find / meta
+def _iteration_dirs(root: Path) -> list[Path]:
+    """``iter_*`` directories, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _ITER_RE.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def read_meta(path: str | Path) -> dict:
+    """The ``klear_meta.json`` of a checkpoint; :class:`CheckpointError` if partial/corrupt."""
+    path = Path(path)
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: no {META_FILE} (partial checkpoint: the save did not "
+                              "finish)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{meta_path}: corrupt JSON ({exc})") from exc
+    if not meta.get("complete") or meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: not a complete format-{FORMAT_VERSION} checkpoint")
+    for rel, size in meta.get("files", {}).items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != size:
+            raise CheckpointError(f"{f}: missing or truncated (expected {size} bytes)")
+    return meta
+
+
+def find_latest_checkpoint(load_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``load_dir`` (or ``load_dir`` itself if it is one).
+
+    Partial or corrupt checkpoints, and temp dirs left by a killed save, are skipped with
+    a warning.
+    """
+    load_dir = Path(load_dir)
+    if _ITER_RE.match(load_dir.name):
+        return load_dir if _usable(load_dir) else None
+    for stale in sorted(load_dir.glob(".iter_*.tmp")) if load_dir.is_dir() else []:
+        log.warning("skipping %s: temp dir of an interrupted save", stale)
+    for path in _iteration_dirs(load_dir):
+        if _usable(path):
+            return path
+    return None
+
+
+def _usable(path: Path) -> bool:
+    try:
+        read_meta(path)
+        return True
+    except CheckpointError as exc:
+        log.warning("skipping checkpoint: %s", exc)
+        return False
+
+
+# ---------------------------------------------------------------- load
+def load_checkpoint(load_dir: str | Path, model_chunks: list[torch.nn.Module], *,
+                    optimizer=None, scheduler=None, load_rng: bool = True
+                    ) -> CheckpointInfo | None:
+    """Restore the latest complete checkpoint under ``load_dir``; None when there is none.
+
+    Model weights reshard to the current TP/PP layout; the optimizer (non-distributed)
+    and scheduler are restored when given and present in the checkpoint; RNG states only
+    when the layout is unchanged. Collective over all ranks.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = find_latest_checkpoint(load_dir)
+    if path is None:
+        return None
+    meta = read_meta(path)
+    if meta["num_model_chunks"] != len(model_chunks):
+        raise CheckpointError(f"{path}: holds {meta['num_model_chunks']} model chunk(s), the "
+                              f"model has {len(model_chunks)}; match "
+                              "--num-layers-per-virtual-pipeline-stage to the saved run")
+    state = _model_sharded_state_dict(model_chunks)
+    if optimizer is not None and "optimizer" in meta["contents"]:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(path))
+    for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks):
+        unwrap_model(chunk).load_state_dict(loaded[key])
+    if "optimizer" in state:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "opt_param_scheduler" in loaded:
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+    if load_rng and {k: meta[k] for k in ("tp", "pp", "world_size")} == _layout() \
+            and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return CheckpointInfo(iteration=meta["iteration"], extra=loaded.get("extra", {}) or {},
+                          path=path, hf_config=meta.get("hf_config"))

@@ -1,0 +1,40 @@
+"""Logit parity between transformers' Qwen3 (fp32, eager) and a Megatron checkpoint.
+
+    torchrun --nproc-per-node 2 tools/compare_logits.py --hf-dir hf --megatron-dir ckpt --tp 2
+
+Prints the max absolute logit difference; exits 1 when it exceeds --tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _cli import run_cli
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from megatron_klear.checkpoint.convert import compare_logits
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hf-dir", required=True, help="HF model dir (the reference)")
+    p.add_argument("--megatron-dir", required=True, help="Megatron checkpoint dir")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to run at")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to run at")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |dlogit|")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    a = p.parse_args()
+    diff = compare_logits(a.hf_dir, a.megatron_dir, tp=a.tp, pp=a.pp, batch_size=a.batch_size,
+                          seq_length=a.seq_length, seed=a.seed)
+    ok = diff <= a.tolerance
+    if dist.get_rank() == 0:
+        print(f"max_abs_logit_diff={diff:.3e} tolerance={a.tolerance:.1e} "
+              f"{'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,35 @@
+"""Convert a Megatron checkpoint (any TP/PP layout) into a Hugging Face Qwen3 directory.
+
+    python tools/convert_megatron_to_hf.py --load ckpt/run1 --out-dir hf_out --hf-config Qwen3-8B
+
+Writes sharded safetensors + model.safetensors.index.json + config.json (+ the tokenizer
+files of --hf-config), vocab padding stripped, tied embeddings as in the HF config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _cli import run_cli
+
+
+def main() -> None:
+    from megatron_klear.checkpoint.convert import convert_megatron_to_hf
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint dir (its latest complete iteration)")
+    p.add_argument("--out-dir", required=True, help="output HF dir (must not exist)")
+    p.add_argument("--hf-config", default=None,
+                   help="HF dir giving config.json and tokenizer files (default: the config "
+                        "stored in the checkpoint, no tokenizer)")
+    p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
+    a = p.parse_args()
+    out = convert_megatron_to_hf(a.load, a.out_dir, hf_config_dir=a.hf_config,
+                                 overwrite=a.overwrite,
+                                 max_shard_bytes=int(a.max_shard_size_gb * 2**30))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
