@@ -1,0 +1,231 @@
+"""Async HTTP client for SGLang servers, an sglang_router, or embedded rollout servers.
+
+One client serves the trainer on GPU clusters (SGLang) and on CPU (the embedded server), since
+both speak the same API. Guarantees:
+
+* every prompt is answered or the call fails loudly -- a failed request (connection error,
+  timeout, HTTP 5xx) is retried with exponential backoff on the least-loaded server that is
+  not marked down; after ``max_retries`` retries a :class:`RolloutError` names every server
+  URL and its last error;
+* a bad request (HTTP 4xx) is not retried: it is a bug, reported with the server's message;
+* at most ``max_concurrency`` requests are in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+
+__all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError"]
+
+
+class RolloutError(RuntimeError):
+    """Generation could not be completed; the message names the server URL(s) and why."""
+
+
+class _BadRequest(RolloutError):
+    """HTTP 4xx: the request itself is wrong; retrying elsewhere would not help."""
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one generate call (SGLang's ``sampling_params``)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+
+    def to_sglang(self) -> dict:
+        """The ``sampling_params`` JSON object (unset stop lists omitted)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    text: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: str | None
+    prompt_tokens: int
+
+    @classmethod
+    def from_sglang(cls, out: dict) -> "Generation":
+        """Parse one SGLang /generate response object."""
+        meta = out.get("meta_info", {})
+        reason = meta.get("finish_reason") or {}
+        return cls(text=out.get("text", ""), output_ids=list(out.get("output_ids") or []),
+                   logprobs=[float(x[0]) for x in meta.get("output_token_logprobs") or []],
+                   finish_reason=reason.get("type", "unknown") if isinstance(reason, dict)
+                   else str(reason),
+                   weight_version=meta.get("weight_version"),
+                   prompt_tokens=int(meta.get("prompt_tokens", 0)))
+
+
+@dataclass
+class _Server:
+    url: str
+    outstanding: int = 0
+    down_until: float = 0.0
+    last_error: str = ""
+
+
+class RolloutClient:
+    """Client of N rollout servers (or one router URL) with retries and load balancing."""
+
+    def __init__(self, urls: list[str], *, max_concurrency: int = 64,
+                 request_timeout_s: float = 600, max_retries: int = 3,
+                 backoff_s: float = 0.5) -> None:
+        if not urls:
+            raise ValueError("RolloutClient: urls is empty; pass at least one server URL")
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.max_concurrency = max_concurrency
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+
+    @property
+    def urls(self) -> list[str]:
+        """The server base URLs."""
+        return [s.url for s in self.servers]
+
+    # ------------------------------------------------------------------ generation
+    async def agenerate(self, prompts: list[str] | list[list[int]],
+                        params: SamplingParams) -> list[list[Generation]]:
+        """n generations per prompt, in prompt order (token-id prompts go as input_ids)."""
+        sem = asyncio.Semaphore(self.max_concurrency)
+        async with self._session() as session:
+            async def one(prompt) -> list[Generation]:
+                key = "text" if isinstance(prompt, str) else "input_ids"
+                payload = {key: prompt, "sampling_params": params.to_sglang(),
+                           "return_logprob": True}
+                async with sem:
+                    out = await self._post_balanced(session, "/generate", payload)
+                outs = out if isinstance(out, list) else [out]
+                return [Generation.from_sglang(o) for o in outs]
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams) -> list[list[Generation]]:
+        """Blocking :meth:`agenerate`; works with or without a running loop in this thread."""
+        return self._run_sync(self.agenerate(prompts, params))
+
+    def prompt_logprobs(self, input_ids: list[int]) -> list[list[float]]:
+        """Per server: logprobs of tokens 1..L-1 of ``input_ids`` (temperature 1)."""
+        payload = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+                   "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+        replies = self.post_all("/generate", payload)
+        return [[float(x[0]) for x in replies[s.url]["meta_info"]["input_token_logprobs"][1:]]
+                for s in self.servers]
+
+    async def _post_balanced(self, session: aiohttp.ClientSession, path: str,
+                             payload: dict) -> Any:
+        """POST to the least-loaded live server; retry failures on the others."""
+        for attempt in range(self.max_retries + 1):
+            server = self._pick()
+            server.outstanding += 1
+            try:
+                return await self._request(session, "POST", server.url + path, payload)
+            except _BadRequest:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, RolloutError, OSError) as exc:
+                server.last_error = f"{type(exc).__name__}: {exc}"
+                server.down_until = time.monotonic() + self.backoff_s * 2 ** (attempt + 1)
+                if attempt == self.max_retries:
+                    break
+                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+            finally:
+                server.outstanding -= 1
+        status = "; ".join(f"{s.url}: {s.last_error or 'ok'}" for s in self.servers)
+        raise RolloutError(f"POST {path} failed after {self.max_retries + 1} attempts on all "
+                           f"servers [{status}]")
+
+    def _pick(self) -> _Server:
+        now = time.monotonic()
+        live = [s for s in self.servers if s.down_until <= now]
+        if not live:  # all marked down: try the one expected back first
+            return min(self.servers, key=lambda s: s.down_until)
+        return min(live, key=lambda s: s.outstanding)
+
+    async def _request(self, session: aiohttp.ClientSession, method: str, url: str,
+                       payload: dict | None = None) -> Any:
+        async with session.request(method, url, json=payload) as resp:
+            body = await resp.read()
+            text = body.decode(errors="replace")
+            if resp.status >= 500:
+                raise RolloutError(f"{url} answered HTTP {resp.status}: {text[:500]}")
+            if resp.status >= 400:
+                raise _BadRequest(f"{url} rejected the request (HTTP {resp.status}): "
+                                  f"{text[:500]}")
+            if resp.content_type == "application/json":
+                return await resp.json()
+            return text
+
+    # ------------------------------------------------------------------ admin
+    def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
+        """GET /health on every server: {url: healthy}."""
+        async def check() -> dict[str, bool]:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                async def one(url: str) -> bool:
+                    try:
+                        async with session.get(url + "/health") as resp:
+                            return resp.status == 200
+                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                        return False
+
+                flags = await asyncio.gather(*(one(s.url) for s in self.servers))
+            return dict(zip(self.urls, flags))
+
+        return self._run_sync(check())
+
+    def post_all(self, path: str, payload: dict | None = None) -> dict[str, Any]:
+        """POST ``payload`` to ``path`` on every server concurrently: {url: reply}."""
+        return self._run_sync(self._all("POST", path, payload))
+
+    def get_all(self, path: str) -> dict[str, Any]:
+        """GET ``path`` on every server concurrently: {url: reply}."""
+        return self._run_sync(self._all("GET", path, None))
+
+    async def apost_all(self, path: str, payload: dict | None = None) -> dict[str, Any]:
+        """Async :meth:`post_all`."""
+        return await self._all("POST", path, payload)
+
+    async def _all(self, method: str, path: str, payload: dict | None) -> dict[str, Any]:
+        async with self._session() as session:
+            async def one(url: str) -> Any:
+                try:
+                    return await self._request(session, method, url + path, payload)
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    raise RolloutError(f"{method} {url}{path} failed: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+
+            replies = await asyncio.gather(*(one(s.url) for s in self.servers))
+        return dict(zip(self.urls, replies))
+
+    # ------------------------------------------------------------------ plumbing
+    def _session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+            connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+
+    @staticmethod
+    def _run_sync(coro) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # caller's loop is busy
+            return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,183 @@
+"""The embedded server's model: an HF Qwen3 checkpoint and batched KV-cache decoding.
+
+One :class:`Generator` owns the transformers model. :meth:`Generator.run_batch` decodes a
+batch of sequences (the n samples of every request the scheduler gathered) together: the
+prompts are left-padded, prefilled once, then decoded step by step with a shared KV cache.
+The model lock is taken per forward step, so a weight update waits at most one step and
+a paused batch (``in_place``) does not block it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_klear.rollout.sampling import (SamplingConfig, find_stop_string, sample_next,
+                                             token_logprobs)
+
+__all__ = ["Sequence", "Generator"]
+
+
+@dataclass
+class Sequence:
+    """One sample being decoded: prompt, sampling config and what was generated so far."""
+
+    prompt_ids: list[int]
+    cfg: SamplingConfig
+    want_input_logprobs: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: dict | None = None
+
+
+class Generator:
+    """An HF Qwen3 model on CPU with batched sampling (fp32 by default)."""
+
+    def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 load_format: str = "auto") -> None:
+        from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+        self.model_dir = str(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        if load_format == "dummy":  # SGLang's --load-format dummy: random weights, no file reads
+            config = Qwen3Config.from_pretrained(self.model_dir)
+            config._attn_implementation = "eager"
+            self.model = Qwen3ForCausalLM(config).to(dtype)
+        else:
+            self.model = Qwen3ForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
+                                                          attn_implementation="eager")
+        self.model.eval().requires_grad_(False)
+        self.config = self.model.config
+        self.context_length = int(self.config.max_position_embeddings)
+        self.eos_ids = self._eos_ids()
+        self.lock = threading.Lock()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.params = dict(self.model.named_parameters())
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ------------------------------------------------------------------ decoding
+    @torch.no_grad()
+    def run_batch(self, seqs: list[Sequence], abort: threading.Event,
+                  running: threading.Event) -> None:
+        """Decode ``seqs`` to completion in place (``finish_reason`` set on every one).
+
+        ``running`` is cleared while generation is paused (decoding waits between steps);
+        ``abort`` set finishes every unfinished sequence with reason ``abort``.
+        """
+        from transformers import DynamicCache
+
+        ids, mask = self._left_pad([s.prompt_ids for s in seqs])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        logits = self._forward(ids, mask, positions, cache)
+        self._fill_input_logprobs(seqs, ids, logits)
+        last, pos = logits[:, -1], positions[:, -1:]
+        for s in seqs:
+            if s.cfg.max_new_tokens == 0:
+                self._finish(s, {"type": "length", "length": 0})
+        temps = torch.tensor([s.cfg.temperature for s in seqs], dtype=torch.float32)
+        while any(s.finish_reason is None for s in seqs):
+            running.wait()
+            if abort.is_set():
+                self._abort(seqs)
+                break
+            self._step(seqs, token_logprobs(last, temps))
+            if all(s.finish_reason is not None for s in seqs):
+                break
+            nxt = torch.tensor([[s.output_ids[-1] if s.output_ids else 0] for s in seqs])
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            pos = pos + 1
+            last = self._forward(nxt, mask, pos, cache)[:, -1]
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache) -> torch.Tensor:
+        with self.lock:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             cache=cache, use_cache=True)
+        return out.logits.float()
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p):] = 1
+        return ids, mask
+
+    def _fill_input_logprobs(self, seqs: list[Sequence], ids: torch.Tensor,
+                             logits: torch.Tensor) -> None:
+        """Logprob of prompt token j given tokens < j (j >= 1), for sequences that ask."""
+        for row, s in enumerate(seqs):
+            if not s.want_input_logprobs or len(s.prompt_ids) < 2:
+                continue
+            start = ids.shape[1] - len(s.prompt_ids)
+            temp = torch.tensor([s.cfg.temperature] * (len(s.prompt_ids) - 1))
+            lp = token_logprobs(logits[row, start:-1], temp)
+            targets = ids[row, start + 1:]
+            s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()
+
+    def _step(self, seqs: list[Sequence], logprobs: torch.Tensor) -> None:
+        tokens = sample_next(logprobs, [s.cfg for s in seqs], self.generator)
+        for row, s in enumerate(seqs):
+            if s.finish_reason is not None:
+                continue
+            tok = int(tokens[row])
+            s.output_ids.append(tok)
+            s.logprobs.append(float(logprobs[row, tok]))
+            self._check_stop(s, tok)
+
+    def _check_stop(self, s: Sequence, tok: int) -> None:
+        if (tok in self.eos_ids and not s.cfg.ignore_eos) or tok in s.cfg.stop_token_ids:
+            self._finish(s, {"type": "stop", "matched": tok})
+            return
+        if s.cfg.stop:
+            text = self.decode(s.output_ids, s.cfg)
+            hit = find_stop_string(text, s.cfg.stop)
+            if hit is not None:
+                s.text = text[:hit[0]]
+                s.finish_reason = {"type": "stop", "matched": hit[1]}
+                return
+        if (len(s.output_ids) >= s.cfg.max_new_tokens
+                or len(s.prompt_ids) + len(s.output_ids) >= self.context_length):
+            self._finish(s, {"type": "length", "length": len(s.output_ids)})
+
+    def _finish(self, s: Sequence, reason: dict) -> None:
+        s.text = self.decode(s.output_ids, s.cfg)
+        s.finish_reason = reason
+
+    def _abort(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if s.finish_reason is None:
+                self._finish(s, {"type": "abort", "message": "Abort before finishing: "
+                                 "generation paused with mode='abort'"})
+
+    def decode(self, ids: list[int], cfg: SamplingConfig) -> str:
+        """Detokenise generated ids (special tokens skipped unless the request says not to)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=cfg.skip_special_tokens)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy full HF-named tensors into the model (checked: name and shape)."""
+        for name, tensor in named:
+            param = self.params.get(name)
+            if param is None:
+                raise KeyError(f"unknown parameter {name!r}: not a tensor of this Qwen3 model")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch for {name!r}: the server holds "
+                                 f"{tuple(param.shape)}, the request sent {tuple(tensor.shape)}")
+        with self.lock:
+            for name, tensor in named:
+                self.params[name].copy_(tensor)

@@ -1,0 +1,441 @@
+"""The embedded CPU rollout server: SGLang's HTTP API over an HF Qwen3 model (aiohttp).
+
+On GPU clusters the trainer talks to SGLang servers; on CPU it talks to this server, which
+speaks the same API (sglang 0.5.x, see docs/ARCHITECTURE.md "SGLang protocol facts"), so
+the trainer's rollout and weight-sync code is one code path exercised in CI over real HTTP
+and a real torch.distributed group:
+
+* ``POST /generate`` -- text or input_ids, sampling_params (n, temperature, top_p, top_k,
+  max_new_tokens, stop, stop_token_ids, ignore_eos), return_logprob, logprob_start_len;
+  responses with ``text``, ``output_ids`` and ``meta_info`` (finish_reason,
+  output_token_logprobs ``[[logprob, id, None], ...]``, input_token_logprobs, weight_version);
+  a list when n > 1. Logprobs are ``log_softmax(logits / temperature)`` (see sampling.py).
+* health/admin: ``/health``, ``/health_generate``, ``/flush_cache``, ``/model_info``,
+  ``/get_weight_version``, ``/pause_generation``, ``/continue_generation``;
+* weight updates: ``/init_weights_update_group``, ``/begin_weight_update``,
+  ``/update_weights_from_distributed`` (per tensor or ``load_format="flattened_bucket"``: one
+  uint8 buffer holding the tensors' bytes back to back in request order),
+  ``/end_weight_update``, ``/destroy_weights_update_group``. Updates outside begin/end are
+  refused (sglang >= 0.5.19 rule).
+
+Bad requests get HTTP 400 with ``{"error": {"message": ...}}`` naming the field.
+Run: ``python -m megatron_klear.rollout.server --model DIR --port P``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from aiohttp import web
+
+from megatron_klear.rollout.generator import Generator, Sequence
+from megatron_klear.rollout.sampling import RequestError, SamplingConfig
+from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, parse_dtype
+
+__all__ = ["RolloutServer", "build_app", "main"]
+
+log = logging.getLogger("megatron_klear.rollout.server")
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    return body
+
+
+@dataclass
+class _Request:
+    """One /generate call: its n sequences and the future its handler awaits."""
+
+    rid: str
+    seqs: list[Sequence]
+    future: asyncio.Future
+    return_logprob: bool
+    logprob_start_len: int
+    start: float = field(default_factory=time.monotonic)
+
+
+class RolloutServer:
+    """State of one embedded server: generator, scheduler, pause flags, weight-update groups."""
+
+    def __init__(self, generator: Generator, *, max_batch_seqs: int = 64) -> None:
+        self.gen = generator
+        self.max_batch_seqs = max_batch_seqs
+        self.weight_version = "default"
+        self.pending: list[_Request] = []
+        self.running: list[_Request] = []
+        self.wakeup = asyncio.Event()
+        self.abort = threading.Event()
+        self.resumed = threading.Event()
+        self.resumed.set()
+        self.groups: dict[str, UpdateGroup] = {}
+        self.in_weight_update = False
+        self.update_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ scheduler
+    async def scheduler(self) -> None:
+        """Gather pending requests and decode them together, batch after batch."""
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            while self.pending:
+                await asyncio.to_thread(self.resumed.wait)
+                self.running, budget = [], self.max_batch_seqs
+                while self.pending and (not self.running or budget >= len(self.pending[0].seqs)):
+                    budget -= len(self.pending[0].seqs)
+                    self.running.append(self.pending.pop(0))
+                await self._run(self.running)
+                self.running = []
+
+    async def _run(self, batch: list[_Request]) -> None:
+        seqs = [s for r in batch for s in r.seqs]
+        try:
+            await asyncio.to_thread(self.gen.run_batch, seqs, self.abort, self.resumed)
+        except Exception as exc:  # a model failure fails these requests, not the server
+            log.exception("generation failed")
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_exception(exc)
+            return
+        for r in batch:
+            if not r.future.done():
+                r.future.set_result(self._response(r))
+
+    def _response(self, r: _Request) -> dict | list[dict]:
+        outs = []
+        for i, s in enumerate(r.seqs):
+            meta = {"id": r.rid if len(r.seqs) == 1 else f"{r.rid}_{i}",
+                    "finish_reason": s.finish_reason, "prompt_tokens": len(s.prompt_ids),
+                    "completion_tokens": len(s.output_ids), "cached_tokens": 0,
+                    "weight_version": self.weight_version,
+                    "e2e_latency": time.monotonic() - r.start}
+            if r.return_logprob:
+                meta["output_token_logprobs"] = [[lp, t, None]
+                                                 for lp, t in zip(s.logprobs, s.output_ids)]
+                if r.logprob_start_len >= 0:
+                    meta["input_token_logprobs"] = self._input_logprobs(s, r.logprob_start_len)
+            outs.append({"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta})
+        return outs[0] if len(outs) == 1 else outs
+
+    @staticmethod
+    def _input_logprobs(s: Sequence, start: int) -> list[list]:
+        lps = [None] + s.input_logprobs
+        return [[lps[j], s.prompt_ids[j], None] for j in range(start, len(s.prompt_ids))]
+
+    # ------------------------------------------------------------------ /generate
+    def parse_generate(self, body: dict) -> _Request:
+        """Validate a /generate body into a queued request (RequestError names the field)."""
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported by the embedded server")
+        prompt = self._prompt_ids(body)
+        cfg = SamplingConfig.from_request(body.get("sampling_params"))
+        if len(prompt) + cfg.max_new_tokens > self.gen.context_length:
+            raise RequestError(f"prompt ({len(prompt)} tokens) + max_new_tokens "
+                               f"({cfg.max_new_tokens}) exceeds the context length "
+                               f"{self.gen.context_length}")
+        start = body.get("logprob_start_len", -1)
+        if not isinstance(start, int) or start >= max(len(prompt), 1):
+            raise RequestError(f"logprob_start_len={start!r} must be an integer < the prompt "
+                               f"length {len(prompt)} (-1: no input logprobs)")
+        want_input = bool(body.get("return_logprob")) and start >= 0
+        seqs = [Sequence(list(prompt), cfg, want_input) for _ in range(cfg.n)]
+        rid = body.get("rid") or uuid.uuid4().hex
+        return _Request(str(rid), seqs, asyncio.get_running_loop().create_future(),
+                        bool(body.get("return_logprob")), start)
+
+    def _prompt_ids(self, body: dict) -> list[int]:
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise RequestError("give exactly one of 'text' or 'input_ids'")
+        if text is not None:
+            if not isinstance(text, str):
+                raise RequestError("'text' must be a string (batched lists are not supported)")
+            ids = self.gen.tokenizer.encode(text, add_special_tokens=False)
+        vocab = self.gen.config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab
+                                                for t in ids):
+            raise RequestError(f"'input_ids' must be a flat list of token ids in [0, {vocab})")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """POST /generate."""
+        req = self.parse_generate(await _json_body(request))
+        self.pending.append(req)
+        self.wakeup.set()
+        return web.json_response(await req.future)
+
+    # ------------------------------------------------------------------ admin
+    async def health(self, request: web.Request) -> web.Response:
+        """GET /health: 200 while the server runs."""
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """GET /health_generate: 200 once a 1-token generation completes, else 503."""
+        req = self.parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
+        self.pending.append(req)
+        self.wakeup.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(req.future), timeout=20)
+        except Exception:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """GET/POST /flush_cache: nothing is cached across requests; refused while busy."""
+        if self.pending or self.running:
+            return web.Response(status=400, text="Cache not flushed: there are running or "
+                                "waiting requests.")
+        return web.Response(status=200, text="Cache flushed.")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """GET /model_info."""
+        return web.json_response({"model_path": self.gen.model_dir,
+                                  "tokenizer_path": self.gen.model_dir, "is_generation": True,
+                                  "weight_version": self.weight_version,
+                                  "preferred_sampling_params": None})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        """GET /get_weight_version."""
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """POST /pause_generation {mode: abort | in_place | retract}."""
+        mode = (await _json_body(request)).get("mode", "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            raise RequestError(f"mode={mode!r}: expected 'abort', 'in_place' or 'retract'")
+        self.resumed.clear()
+        if mode == "abort":
+            self.abort.set()
+            await self._abort_pending()
+        return web.json_response({"success": True, "message": f"paused ({mode})"})
+
+    async def _abort_pending(self) -> None:
+        self.resumed.set()  # let the running batch observe the abort and finish
+        while self.running:
+            await asyncio.sleep(0.01)
+        for r in self.pending:
+            for s in r.seqs:
+                s.finish_reason = {"type": "abort", "message": "generation paused"}
+            r.future.set_result(self._response(r))
+        self.pending.clear()
+        self.resumed.clear()
+        self.abort.clear()
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        """POST /continue_generation."""
+        self.abort.clear()
+        self.resumed.set()
+        self.wakeup.set()
+        return web.json_response({"success": True, "message": "continued"})
+
+    # ------------------------------------------------------------------ weight updates
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """POST /init_weights_update_group: join the trainer's group as rank_offset (+ tp 0)."""
+        body = await _json_body(request)
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
+                   if k not in body]
+        if missing:
+            raise RequestError(f"init_weights_update_group: missing field(s) {missing}")
+        name = body.get("group_name", "weight_update_group")
+        if name in self.groups:
+            raise RequestError(f"group_name {name!r} already exists; destroy it first")
+        group = await asyncio.to_thread(
+            open_update_group, body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]), name,
+            body.get("backend") or "gloo", float(body.get("timeout_s", 300)))
+        self.groups[name] = group
+        return web.json_response({"success": True, "message": f"joined {name!r} as rank "
+                                  f"{group.rank} of {group.world_size}"})
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """POST /begin_weight_update: open the window in which weight updates are accepted."""
+        self.in_weight_update = True
+        return web.json_response({"success": True, "message": "weight update begun"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        """POST /end_weight_update: close the window."""
+        if not self.in_weight_update:
+            raise RequestError("end_weight_update without begin_weight_update")
+        self.in_weight_update = False
+        return web.json_response({"success": True, "message": "weight update ended"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """POST /update_weights_from_distributed: receive tensors by broadcast(src=0), load them.
+
+        The broadcast is received before names/shapes are checked against the model, so a
+        trainer that sent a wrong name is answered with 400 instead of hanging.
+        """
+        body = await _json_body(request)
+        if not self.in_weight_update:
+            raise RequestError("weight updates must happen between POST /begin_weight_update "
+                               "and POST /end_weight_update")
+        names, dtypes, shapes = (body.get(k) for k in ("names", "dtypes", "shapes"))
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes) and names):
+            raise RequestError("names, dtypes and shapes must be non-empty lists of equal length")
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            raise RequestError(f"group_name {body.get('group_name')!r} unknown; call "
+                               f"/init_weights_update_group first (known: {sorted(self.groups)})")
+        specs = [(n, parse_dtype(d), tuple(int(x) for x in s))
+                 for n, d, s in zip(names, dtypes, shapes)]
+        fmt = body.get("load_format")
+        if fmt not in (None, "flattened_bucket"):
+            raise RequestError(f"load_format={fmt!r}: expected null or 'flattened_bucket'")
+        async with self.update_lock:
+            named = await asyncio.to_thread(_receive, group, specs, fmt == "flattened_bucket")
+            try:
+                await asyncio.to_thread(self.gen.load_weights, named)
+            except (KeyError, ValueError) as exc:
+                return web.json_response({"success": False, "message": str(exc.args[0])},
+                                         status=400)
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "Succeeded to update parameter "
+                                  f"online ({len(named)} tensors)."})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        """POST /destroy_weights_update_group {group_name}."""
+        name = (await _json_body(request)).get("group_name", "weight_update_group")
+        group = self.groups.pop(name, None)
+        if group is None:
+            raise RequestError(f"group_name {name!r} unknown (known: {sorted(self.groups)})")
+        group.close()
+        return web.json_response({"success": True, "message": f"destroyed {name!r}"})
+
+
+def _receive(group: UpdateGroup, specs: list[tuple[str, torch.dtype, tuple]],
+             flattened: bool) -> list[tuple[str, torch.Tensor]]:
+    """Receive tensors by broadcast from rank 0: one per tensor, or one flattened uint8 bucket."""
+    if not flattened:
+        out = []
+        for name, dtype, shape in specs:
+            t = torch.empty(shape, dtype=dtype)
+            group.broadcast(t)
+            out.append((name, t))
+        return out
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+             for _, dt, shape in specs]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    group.broadcast(buf)
+    out, offset = [], 0
+    for (name, dtype, shape), size in zip(specs, sizes):
+        out.append((name, buf[offset:offset + size].view(dtype).view(shape)))
+        offset += size
+    return out
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Bad requests -> 400 with a message; anything unexpected -> 500 with a message."""
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return _error(str(exc))
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # keep the server alive and tell the client what failed
+        log.exception("request %s failed", request.path)
+        return _error(f"{type(exc).__name__}: {exc}", status=500)
+
+
+def build_app(server: RolloutServer) -> web.Application:
+    """The aiohttp application with SGLang's routes; starts the scheduler on startup."""
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 2**20)
+    s = server
+    for path, handler in [("/health", s.health), ("/health_generate", s.health_generate),
+                          ("/model_info", s.model_info), ("/get_model_info", s.model_info),
+                          ("/get_weight_version", s.get_weight_version),
+                          ("/flush_cache", s.flush_cache)]:
+        app.router.add_get(path, handler)
+    for path, handler in [("/generate", s.generate), ("/flush_cache", s.flush_cache),
+                          ("/pause_generation", s.pause_generation),
+                          ("/continue_generation", s.continue_generation),
+                          ("/init_weights_update_group", s.init_weights_update_group),
+                          ("/begin_weight_update", s.begin_weight_update),
+                          ("/end_weight_update", s.end_weight_update),
+                          ("/update_weights_from_distributed", s.update_weights_from_distributed),
+                          ("/destroy_weights_update_group", s.destroy_weights_update_group)]:
+        app.router.add_post(path, handler)
+
+    async def start_scheduler(app: web.Application):
+        task = asyncio.create_task(s.scheduler())
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(start_scheduler)
+    return app
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Embedded CPU rollout server (SGLang HTTP API).")
+    p.add_argument("--model", "--model-path", dest="model", required=True,
+                   help="directory of a Hugging Face Qwen3 checkpoint (config.json + weights)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0, help="sampling RNG seed")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json (benchmarks), as in SGLang")
+    p.add_argument("--max-batch-seqs", type=int, default=64,
+                   help="most sequences decoded together in one batch")
+    p.add_argument("--num-threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 1)),
+                   help="torch intra-op threads")
+    return p.parse_args(argv)
+
+
+def _load_generator(args: argparse.Namespace) -> Generator:
+    """The model of ``--model``, or SystemExit naming the flag and what is wrong."""
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"--model {args.model}: no config.json; pass the directory of a "
+                         "Hugging Face Qwen3 checkpoint")
+    try:
+        return Generator(args.model, seed=args.seed, dtype=getattr(torch, args.dtype),
+                         load_format=args.load_format)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"--model {args.model}: cannot load a Qwen3 model ({exc})") from exc
+
+
+async def _serve(args: argparse.Namespace, generator: Generator) -> None:
+    server = RolloutServer(generator, max_batch_seqs=args.max_batch_seqs)
+    runner = web.AppRunner(build_app(server), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    print(f"rollout server ready on http://{args.host}:{args.port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point: ``python -m megatron_klear.rollout.server --model DIR --port P``."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(max(1, args.num_threads))
+    asyncio.run(_serve(args, _load_generator(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The embedded rollout server over real HTTP, driven by the trainer's RolloutClient.
+
+Two real server processes on 127.0.0.1; every numeric check compares with an independent
+transformers forward pass (tests/rollout_helpers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.launcher import launch_embedded_servers
+from tests.rollout_helpers import (load_reference, make_tiny_model, reference_greedy,
+                                   reference_logprobs)
+
+PROMPTS = ["What is 2+3?", "Write a haiku", "x", "def f(a):"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    with launch_embedded_servers(model_dir, 2, log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return load_reference(model_dir)
+
+
+@pytest.fixture()
+def client(servers):
+    return RolloutClient(servers.urls, request_timeout_s=60, max_retries=1, backoff_s=0.1)
+
+
+def _post(url: str, path: str, body) -> tuple[int, object]:
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            kwargs = {"data": body} if isinstance(body, (str, bytes)) else {"json": body}
+            async with session.post(url + path, **kwargs) as resp:
+                if resp.content_type == "application/json":
+                    return resp.status, await resp.json()
+                return resp.status, await resp.text()
+    return asyncio.run(go())
+
+
+def test_generate_well_formed_and_logprobs_match_reference(client, reference):
+    """n samples per prompt, in order; ids, text, logprobs and finish reasons are consistent."""
+    model, tok = reference
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, n=3)
+    results = client.generate(PROMPTS, params)
+    assert len(results) == len(PROMPTS)
+    for prompt, gens in zip(PROMPTS, results):
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        assert len(gens) == 3
+        for g in gens:
+            assert g.prompt_tokens == len(prompt_ids)
+            assert g.weight_version == "default"
+            assert 1 <= len(g.output_ids) == len(g.logprobs) <= 12
+            assert g.finish_reason in ("stop", "length")
+            if g.finish_reason == "length":
+                assert len(g.output_ids) == 12
+            else:
+                assert g.output_ids[-1] == tok.eos_token_id
+            assert g.text == tok.decode(g.output_ids, skip_special_tokens=True)
+            ref = reference_logprobs(model, prompt_ids + g.output_ids, 0.8)[len(prompt_ids) - 1:]
+            torch.testing.assert_close(torch.tensor(g.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_greedy_equals_reference_argmax(client, reference):
+    """temperature 0 decodes the argmax path (KV cache + batching do not change it)."""
+    model, tok = reference
+    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    results = client.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
+    for ids, (g,) in zip(prompts, results):
+        ref = reference_greedy(model, ids, 10)
+        assert g.output_ids == ref[:len(g.output_ids)]
+        assert len(g.output_ids) == 10 or g.output_ids[-1] == tok.eos_token_id
+
+
+def test_stop_string_and_stop_token(client, reference):
+    """Stop strings cut the text before the match; stop ids end the output at that id."""
+    _, tok = reference
+    base = client.generate(["Hello"], SamplingParams(max_new_tokens=16, temperature=0.0))[0][0]
+    cut = next(i for i in range(1, len(base.text)) if base.text[i] not in base.text[:i])
+    stop = base.text[cut]
+    by_string = client.generate(["Hello"], SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                          stop=[stop]))[0][0]
+    assert by_string.finish_reason == "stop"
+    assert by_string.text == base.text[:cut]
+    stop_id = base.output_ids[2]
+    by_id = client.generate(["Hello"], SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                      stop_token_ids=[stop_id]))[0][0]
+    first = base.output_ids.index(stop_id)
+    assert by_id.finish_reason == "stop"
+    assert by_id.output_ids == base.output_ids[:first + 1]
+
+
+def test_top_k_restricts_samples(client, reference):
+    """With top_k=2 every sampled token is one of the reference's two most likely tokens."""
+    model, tok = reference
+    prompt = tok.encode("abc", add_special_tokens=False)
+    gens = client.generate([prompt], SamplingParams(max_new_tokens=8, top_k=2, n=4))[0]
+    for g in gens:
+        seq = prompt + g.output_ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0]
+        for j, t in enumerate(g.output_ids):
+            assert t in logits[len(prompt) - 1 + j].topk(2).indices.tolist()
+
+
+def test_prompt_logprobs_every_server(client, reference):
+    """The probe's request returns the reference's logprobs of tokens 1..L-1 on each server."""
+    model, tok = reference
+    ids = tok.encode("The quick brown fox", add_special_tokens=False)
+    per_server = client.prompt_logprobs(ids)
+    assert len(per_server) == 2
+    for lps in per_server:
+        torch.testing.assert_close(torch.tensor(lps), reference_logprobs(model, ids),
+                                   atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ("not json", 400, "not valid JSON"),
+    ({"sampling_params": {}}, 400, "exactly one of 'text' or 'input_ids'"),
+    ({"input_ids": [1, 99999]}, 400, "input_ids"),
+    ({"text": "a", "sampling_params": {"top_p": 1.5}}, 400, "top_p"),
+    ({"text": "a", "sampling_params": {"n": 0}}, 400, "sampling_params.n"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 100000}}, 400, "context length"),
+    ({"text": "a", "sampling_params": {"stop": [""]}}, 400, "stop"),
+])
+def test_malformed_generate_gets_400(servers, body, status, needle):
+    code, reply = _post(servers.urls[0], "/generate", body)
+    assert code == status
+    assert needle in reply["error"]["message"]
+
+
+def test_weight_update_refused_outside_begin_end(servers):
+    """sglang >= 0.5.19 rule: updates outside begin/end fail with a message."""
+    body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+            "group_name": "nope"}
+    code, reply = _post(servers.urls[0], "/update_weights_from_distributed", body)
+    assert code == 400 and "begin_weight_update" in reply["error"]["message"]
+    assert _post(servers.urls[0], "/begin_weight_update", {})[0] == 200
+    try:
+        code, reply = _post(servers.urls[0], "/update_weights_from_distributed", body)
+        assert code == 400 and "init_weights_update_group" in reply["error"]["message"]
+    finally:
+        assert _post(servers.urls[0], "/end_weight_update", {})[0] == 200
+    assert _post(servers.urls[0], "/end_weight_update", {})[0] == 400
+
+
+def test_admin_endpoints(client):
+    assert client.health() == {u: True for u in client.urls}
+    info = client.get_all("/model_info")
+    assert all(v["is_generation"] and v["weight_version"] == "default" for v in info.values())
+    assert all(v.startswith("Cache flushed") for v in client.get_all("/flush_cache").values())
+    assert all(v == "" for v in client.get_all("/health_generate").values())
+
+
+def test_pause_in_place_holds_requests_until_continue(servers):
+    """A request sent while paused completes only after /continue_generation."""
+    c = RolloutClient(servers.urls[:1], request_timeout_s=60, max_retries=0)
+    c.post_all("/pause_generation", {"mode": "in_place"})
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(
+        c.generate(["hi"], SamplingParams(max_new_tokens=4))))
+    worker.start()
+    time.sleep(1.0)
+    assert not done, "generation ran while the server was paused"
+    c.post_all("/continue_generation", {})
+    worker.join(timeout=30)
+    assert done and len(done[0][0][0].output_ids) >= 1
+
+
+def test_pause_abort_finishes_in_flight_with_abort(servers):
+    c = RolloutClient(servers.urls[:1], request_timeout_s=60, max_retries=0)
+    c.post_all("/pause_generation", {"mode": "in_place"})
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(
+        c.generate(["hi", "ho"], SamplingParams(max_new_tokens=4))))
+    worker.start()
+    time.sleep(1.0)
+    c.post_all("/pause_generation", {"mode": "abort"})
+    worker.join(timeout=30)
+    c.post_all("/continue_generation", {})
+    assert [g[0].finish_reason for g in done[0]] == ["abort", "abort"]
+    assert c.generate(["hi"], SamplingParams(max_new_tokens=2))[0][0].finish_reason != "abort"
+
+
+def test_generate_inside_running_event_loop(client):
+    """The sync wrapper works when the caller's thread already runs an event loop."""
+    async def caller():
+        return client.generate(["a"], SamplingParams(max_new_tokens=2))
+
+    assert len(asyncio.run(caller())[0][0].output_ids) >= 1
