@@ -280,14 +280,14 @@ def rl_step(engine: Engine, cfg: RLConfig, client: Any, tokenizer: Any, stream: 
 
 def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> dict:
     """Push new weights to the servers and, optionally, check them with a log-prob probe."""
+    from megatron_klear.rollout.weight_sync import trainer_sequence_logprobs
+
     metrics = dict(sync.sync(weight_version=version))
     if cfg.probe_weights:
-        probe_ids = list(range(1, 17))
-        mb = {"tokens": torch.tensor([probe_ids[:-1]]), "labels": torch.tensor([probe_ids[1:]]),
-              "position_ids": torch.arange(len(probe_ids) - 1).unsqueeze(0)}
-        old_logprobs(engine, [mb], engine.arch.vocab_size, 1.0)
-        trainer_lp = broadcast_from_last_stage(mb.get("old_logprobs"))
-        metrics["weight_sync/probe_max_abs_diff"] = sync.probe(probe_ids, trainer_lp[0])
+        probe_ids = list(range(1, min(engine.arch.vocab_size, 33)))
+        trainer_lp = trainer_sequence_logprobs(engine.model[0], engine.arch, probe_ids)
+        diff = sync.probe(probe_ids, trainer_lp) if trainer_lp is not None else None
+        metrics["weight_sync/probe_max_abs_diff"] = broadcast_from_last_stage(diff)
     return metrics
 
 
