@@ -66,10 +66,11 @@ def _safe(fn: RewardFn, response: str, label: Any) -> float:
 
 
 def score_batch(name: str, responses: list[str], labels: list[Any], *,
-                num_workers: int | None = None) -> list[float]:
+                num_workers: int | None = None, progress: str | None = None) -> list[float]:
     """Scores of ``responses`` against ``labels`` in order, in parallel with at most
     ``num_workers`` concurrent evaluations (default: one per core). Code runs through the
-    sandbox pool and math through the timed verifier processes, both bounded the same way."""
+    sandbox pool and math through the timed verifier processes, both bounded the same way.
+    ``progress``: show a tqdm bar with this description."""
     if len(responses) != len(labels):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(labels)} labels")
     fn = get_reward(name)
@@ -77,4 +78,9 @@ def score_batch(name: str, responses: list[str], labels: list[Any], *,
 
     workers = num_workers or default_workers()
     with ThreadPoolExecutor(workers, thread_name_prefix=f"reward-{name}") as ex:
-        return list(ex.map(lambda rl: _safe(fn, *rl), zip(responses, labels)))
+        scores = ex.map(lambda rl: _safe(fn, *rl), zip(responses, labels))
+        if progress:
+            from tqdm import tqdm
+
+            scores = tqdm(scores, total=len(responses), desc=progress, unit="response")
+        return list(scores)
