@@ -72,7 +72,7 @@ class TrainConfig:
     # logging
     log_dir: str | None = opt(None, "metrics.jsonl and TensorBoard events (default: --save)")
     log_interval: int = opt(1, "print metrics every K steps")
-    no_progress_bar: bool = opt(False, "disable the console progress bar")
+    progress_bar: bool = opt(True, "console progress bar (--no-progress-bar: JSON lines)")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first inconsistent value."""

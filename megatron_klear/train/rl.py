@@ -229,7 +229,7 @@ def train(cfg: RLConfig) -> list[dict]:
                             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
                             stop_token_ids=[tokenizer.eos_token_id])
     log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
-                        desc="rl", progress=not cfg.no_progress_bar, log_interval=cfg.log_interval)
+                        desc="rl", progress=cfg.progress_bar, log_interval=cfg.log_interval)
     history: list[dict] = []
     with rollout_servers(cfg) as servers:
         client = RolloutClient(servers.urls)

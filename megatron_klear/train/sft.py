@@ -118,7 +118,7 @@ def train(cfg: SFTConfig) -> list[dict]:
     step, consumed = (info.iteration, info.extra["consumed_bins"]) if info else (0, 0)
     schedule = BinSchedule(samples, cfg.seq_length, cfg.seed, cfg.pack)
     log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
-                        desc="sft", progress=not cfg.no_progress_bar, log_interval=cfg.log_interval)
+                        desc="sft", progress=cfg.progress_bar, log_interval=cfg.log_interval)
     if step == 0 and log.enabled:
         print(f"[sft] {stats.loaded} samples ({stats.truncated} truncated, {stats.dropped} "
               f"dropped, longer than --seq-length {cfg.seq_length})", file=sys.stderr)
