@@ -126,6 +126,12 @@ def test_call_based(code, expected):
     assert code_reward(_fence(code), CALL) == pytest.approx(expected)
 
 
+def test_call_based_single_argument_not_in_a_list():
+    tests = {"fn_name": "double", "inputs": ["ab", 3], "outputs": ["abab", 6]}
+    assert code_reward(_fence("def double(x):\n    return x * 2"), tests) == 1.0
+    assert code_reward(_fence("def double(x):\n    return x + x if x == 3 else x"), tests) == 0.5
+
+
 def test_unknown_test_format_is_a_clear_error():
     with pytest.raises(ValueError, match="entry_point"):
         code_reward(_fence("print(1)"), {"cases": []})
