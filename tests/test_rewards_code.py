@@ -71,6 +71,15 @@ def test_one_bug_scores_strictly_between(idx):
     assert code_reward(_fence(BUGGY[idx]), code_tests(row)) == pytest.approx(expected)
 
 
+def test_case_that_hangs_fails_alone():
+    """The all-cases-in-one-sandbox fast path times out; the unfinished cases are rerun one
+    sandbox each, so only the hanging case fails."""
+    row = _humaneval()[2]
+    solution = "def truncate_number(number):\n    while number == 1.33:\n        pass\n    return number % 1.0\n"
+    assert _reference_fraction(solution.replace("pass", "break"), row) == 1.0
+    assert code_reward(_fence(solution), code_tests(row), timeout_s=1.0) == pytest.approx(2 / 3)
+
+
 @pytest.mark.parametrize("response", ["", "I cannot solve this.", _fence(""), _fence("def f(:\n  pass"),
                                       "```python\ndef broken(\n```", None,
                                       "<think>```python\nCODE\n```"])
