@@ -109,8 +109,8 @@ def _stdio(code: str, tests: dict, limits: SandboxLimits, pool: SandboxPool) -> 
 
 def _call(code: str, tests: dict, limits: SandboxLimits, pool: SandboxPool) -> list[bool]:
     jobs = [SandboxJob({"solution.py": code, "harness.py": HARNESS_SOURCE,
-                        "case.json": json.dumps(list(args))}, "harness.py",
-                       ("call", str(tests["fn_name"])), limits=limits)
+                        "case.json": json.dumps(args if isinstance(args, list) else [args])},
+                       "harness.py", ("call", str(tests["fn_name"])), limits=limits)
             for args in tests["inputs"]]
     verdicts = []
     for res, exp in zip(pool.map(jobs), tests["outputs"]):

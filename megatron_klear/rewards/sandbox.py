@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from megatron_klear.rewards.sandbox_launcher import SETUP_FAILED
+
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
 RESULT_FILE = "klear_result.json"
 UID_BASE, UID_SPAN = 1 << 20, 1 << 20  # per-run uids, far above any real account
@@ -162,6 +164,7 @@ def _pump(proc: subprocess.Popen, stdin: bytes, limits: SandboxLimits) -> tuple[
     for f in out:
         sel.register(f, selectors.EVENT_READ)
     if stdin:
+        os.set_blocking(proc.stdin.fileno(), False)  # a program that never reads must not block us
         sel.register(proc.stdin, selectors.EVENT_WRITE)
     else:
         proc.stdin.close()
@@ -176,6 +179,8 @@ def _pump(proc: subprocess.Popen, stdin: bytes, limits: SandboxLimits) -> tuple[
             if key.fileobj is proc.stdin:
                 try:
                     view = view[os.write(proc.stdin.fileno(), view[:65536]):]
+                except BlockingIOError:
+                    continue
                 except BrokenPipeError:
                     view = view[:0]
                 if not view:
@@ -232,7 +237,7 @@ def run_python(job: SandboxJob) -> SandboxResult:
             for f in (proc.stdin, proc.stdout, proc.stderr):
                 f.close()
         wall = time.monotonic() - start
-        if proc.returncode == 125 and b"sandbox setup failed" in stderr:
+        if proc.returncode == SETUP_FAILED and b"sandbox setup failed" in stderr:
             raise SandboxError(stderr.decode(errors="replace").strip())
         return SandboxResult(None if timed_out else proc.returncode, stdout, stderr,
                              _read_result(workdir, lim.output_bytes), timed_out, exceeded, wall)
