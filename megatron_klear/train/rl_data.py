@@ -66,26 +66,31 @@ class PromptStream:
     def __init__(self, prompts: Sequence[PromptSample], seed: int, consumed: int = 0):
         self.prompts, self.seed, self.consumed = prompts, seed, consumed
 
-    def take(self, count: int) -> list[PromptSample]:
-        """The next ``count`` prompts."""
+    def take(self, count: int) -> list[tuple[int, PromptSample]]:
+        """The next ``count`` prompts with their stream positions."""
         out = []
         for _ in range(count):
             epoch, pos = divmod(self.consumed, len(self.prompts))
             order = list(range(len(self.prompts)))
             random.Random(self.seed * 7919 + epoch).shuffle(order)
-            out.append(self.prompts[order[pos]])
+            out.append((self.consumed, self.prompts[order[pos]]))
             self.consumed += 1
         return out
+
+    def sampling_seed(self, position: int) -> int:
+        """The rollout sampling seed of the prompt drawn at ``position`` (resumable)."""
+        return (self.seed * 1_000_003 + position) % 2**31
 
 
 def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[PromptSample],
                        params: SamplingParams, reward: str, *, normalize_std: bool = True,
-                       reward_workers: int | None = None) -> RolloutBatch:
+                       reward_workers: int | None = None,
+                       seeds: list[int] | None = None) -> RolloutBatch:
     """Sample ``params.n`` responses per prompt, score them and compute group advantages."""
     prompt_ids = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)
                   ["input_ids"] for p in prompts]
     t0 = time.time()
-    gens = client.generate(prompt_ids, params)
+    gens = client.generate(prompt_ids, params, seeds)
     t_gen = time.time() - t0
     batch = RolloutBatch(params.n)
     texts, labels = [], []
@@ -123,9 +128,10 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
     truncated: list[bool] = []
     for _ in range(max_rounds if dynamic_sampling else 1):
         need = num_prompts - out.groups()
-        got = generate_and_score(client, tokenizer, stream.take(num_prompts if dynamic_sampling
-                                                                 else need),
-                                 params, reward, normalize_std=normalize_std)
+        drawn_now = stream.take(num_prompts if dynamic_sampling else need)
+        got = generate_and_score(client, tokenizer, [p for _, p in drawn_now], params, reward,
+                                 normalize_std=normalize_std,
+                                 seeds=[stream.sampling_seed(pos) for pos, _ in drawn_now])
         for k, v in got.stats.items():
             out.stats[k] = out.stats.get(k, 0.0) + v
         drawn += got.groups()
