@@ -48,8 +48,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sft-iters", type=int, default=120)
-    p.add_argument("--rl-iters", type=int, default=12)
+    p.add_argument("--sft-iters", type=int, default=300)
+    p.add_argument("--rl-iters", type=int, default=20)
+    p.add_argument("--rl-lr", type=float, default=2e-4)
     p.add_argument("--eval-k", type=int, default=4)
     args = p.parse_args()
     out = Path(args.out)
@@ -70,9 +71,9 @@ def main() -> None:
     _run(_torchrun(2, "megatron_klear.train.rl", [
         "--hf-checkpoint", str(out / "sft_hf"), "--prompt-data", str(data["rl"]),
         "--tensor-model-parallel-size", "2", "--reward", "math",
-        "--rollout-batch-size", "16", "--mini-batch-size", "8", "--n-samples-per-prompt", "8",
-        "--micro-batch-size", "16", "--global-batch-size", "16",
-        "--rollout-max-response-len", "48", "--lr", "2e-4", "--train-iters", str(args.rl_iters),
+        "--rollout-batch-size", "32", "--mini-batch-size", "16", "--n-samples-per-prompt", "8",
+        "--micro-batch-size", "32", "--global-batch-size", "32",
+        "--rollout-max-response-len", "48", "--lr", str(args.rl_lr), "--train-iters", str(args.rl_iters),
         "--seed", str(args.seed), "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"),
         "--no-progress-bar"]), out / "logs" / "rl.log")
     after = _eval(out / "rl_hf", data["eval"], out / "eval_after", args.eval_k, args.seed)

@@ -270,6 +270,7 @@ def rl_step(engine: Engine, cfg: RLConfig, client: Any, tokenizer: Any, stream: 
     t_rollout = time.time() - t0
     metrics = dict(batch.stats)
     metrics["time/rollout_s"] = t_rollout
+    metrics["data/prompt_indices"] = sorted(set(batch.prompt_index))
     if batch.groups() == 0:  # every group was uninformative: nothing to learn this step
         return metrics
     usable = batch.groups() // cfg.mini_batch_size * cfg.mini_batch_size or batch.groups()
@@ -286,8 +287,11 @@ def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> di
     if cfg.probe_weights:
         probe_ids = list(range(1, min(engine.arch.vocab_size, 33)))
         trainer_lp = trainer_sequence_logprobs(engine.model[0], engine.arch, probe_ids)
-        diff = sync.probe(probe_ids, trainer_lp) if trainer_lp is not None else None
-        metrics["weight_sync/probe_max_abs_diff"] = broadcast_from_last_stage(diff)
+        probe = (sync.probe(probe_ids, trainer_lp), float(trainer_lp.mean())) \
+            if trainer_lp is not None else None
+        diff, mean_lp = broadcast_from_last_stage(probe)
+        metrics["weight_sync/probe_max_abs_diff"] = diff
+        metrics["weight_sync/probe_logprob_mean"] = mean_lp  # moves when the weights move
     return metrics
 
 
