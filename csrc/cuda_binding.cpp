@@ -20,6 +20,7 @@ int klear_dtype(const at::Tensor& t) {
     default: TORCH_CHECK(false, "klear: logits must be float32, bfloat16 or float16, got ",
                          t.scalar_type());
   }
+  return -1;
 }
 
 void check(cudaError_t err, const char* what) {
