@@ -4,16 +4,16 @@ For each (tokens T, vocab shard V/TP) row, measures forward+backward wall time a
 EXTRA memory (above the logits already in memory) of:
 
 * ``torch``:    the reference backend of megatron_klear.ops (full fp32 log_softmax);
-* ``megatron``: the unfused Megatron path: fp32 upcast + tensor_parallel.vocab_parallel_cross_entropy,
-                then the GPPO per-token loss on -CE;
+* ``megatron``: the unfused Megatron path: fp32 upcast +
+                tensor_parallel.vocab_parallel_cross_entropy, then the GPPO per-token loss on -CE;
 * ``cpu`` / ``cuda``: the fused kernels, plus ``*-inplace`` (gradient written into the logits).
 
 All methods run side by side in one process at TP=1, so the printed ratios compare like with
 like. On CPU, peak memory is the peak RSS (sampled by a thread every 0.2 ms) minus the RSS
 before the call; on GPU it is torch.cuda.max_memory_allocated minus the allocation before.
 GPU rows also print the achieved bandwidth for 3 x the logits bytes (6 x V/TP bytes per token
-in bf16: read in forward, read + write in backward). Rows whose reference would need more than --max-gib are
-skipped with a message. Example:
+in bf16: read in forward, read + write in backward). Rows whose reference would need more than
+--max-gib are skipped with a message. Example:
 
     python benchmarks/bench_policy_loss.py --tokens 1024 4096 --vocab 37984 151936
 """
