@@ -73,7 +73,8 @@ __global__ void stats_kernel(const T* __restrict__ logits, int64_t vocab,
   const int64_t row = blockIdx.x;
   const T* x = logits + row * vocab;
   Online acc{-INFINITY, 0.0f, 0.0f};
-  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) acc = push(acc, to_float(x[j]) * inv_temp);
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x)
+    acc = push(acc, to_float(x[j]) * inv_temp);
   acc = warp_merge(acc);
   __shared__ Online partial[kStatsThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
