@@ -137,6 +137,8 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         vocab_parallel_policy_loss(*args, vocab_size=11)
     with pytest.raises(ValueError, match="advantages must be shaped"):
         vocab_parallel_policy_loss(*args[:3], torch.zeros(3), args[4])
+    with pytest.raises(ValueError, match="loss_mask must be shaped like the targets"):
+        vocab_parallel_policy_loss(*args[:4], torch.ones(2, 2))
     with pytest.raises(ValueError, match="unknown policy loss"):
         vocab_parallel_policy_loss(*args, loss_type="grpo")
     with pytest.raises(ValueError, match="backend must be one of"):

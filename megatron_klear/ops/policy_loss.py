@@ -255,6 +255,14 @@ def _logprobs(logits: Tensor, target_ids: Tensor, *, tp_group, vocab_size: int |
     return logp, entropy if compute_entropy else None, backend
 
 
+def _per_token(name: str, values: Tensor, lead: torch.Size) -> Tensor:
+    """``values`` flattened to [T] after checking it is shaped like the targets."""
+    if values.shape != lead:
+        raise ValueError(f"{name} must be shaped like the targets {tuple(lead)}; got "
+                         f"{tuple(values.shape)}")
+    return values.reshape(-1)
+
+
 def _per_token_advantages(advantages: Tensor, lead: torch.Size) -> Tensor:
     """Advantages per token [T]: given per token (lead shape) or per sequence ([B] for [B, S])."""
     if advantages.shape == lead:
@@ -285,9 +293,9 @@ def vocab_parallel_policy_loss(
     logp, entropy, used = _logprobs(logits, target_ids, tp_group=tp_group, vocab_size=vocab_size,
                                     temperature=temperature, backend=backend,
                                     compute_entropy=compute_entropy, inplace=inplace_backward)
-    old = old_logprobs.reshape(-1).float()
+    old = _per_token("old_logprobs", old_logprobs, lead).float()
     adv = _per_token_advantages(advantages, lead)
-    mask = loss_mask.reshape(-1)
+    mask = _per_token("loss_mask", loss_mask, lead)
     if used != "torch" and loss_type in _KERNEL_LOSS_TYPES:
         hyper = (eps_low, eps_high, beta1, beta2, -1.0 if dual_clip is None else dual_clip)
         per_token, ratio = _FusedTokenLoss.apply(logp, old, adv, loss_type, hyper)
