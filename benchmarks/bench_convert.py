@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -55,7 +56,7 @@ def make_hf_model(out: Path, shard_bytes: int) -> int:
         files.append(list(shard))
         shard.clear()
 
-    for name in hf_tensor_names(arch):
+    for name in sorted(hf_tensor_names(arch), key=_layer_major):
         t = (torch.randn(hf_shape(name, arch), generator=gen) * 0.02).to(torch.bfloat16)
         if shard and size + t.numel() * 2 > shard_bytes:
             flush()
@@ -75,6 +76,14 @@ def make_hf_model(out: Path, shard_bytes: int) -> int:
     return total
 
 
+def _layer_major(name: str) -> tuple[int, str]:
+    """Order tensors the way HF writes shards: embedding, layer 0, layer 1, ..., head."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        return int(parts[2]) + 1, name
+    return (0 if "embed" in name else 10**9), name
+
+
 def plain_copy(src: Path, dst: Path) -> None:
     """The baseline: read every shard's tensors and write them again with safetensors."""
     from safetensors.torch import load_file, save_file
@@ -82,6 +91,9 @@ def plain_copy(src: Path, dst: Path) -> None:
     dst.mkdir()
     for f in sorted(src.glob("*.safetensors")):
         save_file(load_file(f), str(dst / f.name), metadata={"format": "pt"})
+        fd = os.open(dst / f.name, os.O_RDONLY)  # durable, like the converters' outputs
+        os.fsync(fd)
+        os.close(fd)
 
 
 def bitwise_equal(a: Path, b: Path) -> bool:
@@ -96,25 +108,36 @@ def bitwise_equal(a: Path, b: Path) -> bool:
     return set(ha) == set(hb) and all(ha[n].get_tensor(n).equal(hb[n].get_tensor(n)) for n in ha)
 
 
-def child(step: str, src: str, dst: str) -> None:
-    """Run one step in this (fresh) process and print its wall time and peak RSS as JSON."""
+def child(step: str, src: str, dst: str, shard_bytes: int) -> None:
+    """Run one step in this (fresh) process; print wall/CPU seconds and peak RSS as JSON."""
     from megatron_klear.checkpoint import convert
 
+    before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     if step == "plain":
         plain_copy(Path(src), Path(dst))
     elif step == "hf2mg":
         convert.convert_hf_to_megatron(src, dst, dtype="bf16")
-    else:
-        convert.convert_megatron_to_hf(src, dst)
+    elif step == "mg2hf":
+        convert.convert_megatron_to_hf(src, dst, max_shard_bytes=shard_bytes)
     seconds = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": seconds, "peak_rss": rss}))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_rss": peak_rss()}))
 
 
-def run_step(step: str, src: Path, dst: Path) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", step, str(src), str(dst)],
-                          capture_output=True, text=True, check=False)
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM; unlike ru_maxrss it is not inherited from
+    the parent across fork + exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def run_step(step: str, src: Path, dst: Path, shard_bytes: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", step, str(src), str(dst),
+                           str(shard_bytes)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"step {step} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -124,29 +147,35 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--work-dir", default=None, help="scratch dir (default: a temp dir, removed)")
     p.add_argument("--shard-size-mb", type=int, default=400, help="input safetensors shard size")
-    p.add_argument("--child", nargs=3, metavar=("STEP", "SRC", "DST"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        child(*a.child)
+        child(*a.child[:3], int(a.child[3]))
         return
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_convert_"))
     try:
-        total = make_hf_model(work / "hf", a.shard_size_mb * 2**20)
+        shard = a.shard_size_mb * 2**20
+        total = make_hf_model(work / "hf", shard)
         largest = max(f.stat().st_size for f in (work / "hf").glob("*.safetensors"))
-        results = {"plain safetensors read+write": run_step("plain", work / "hf", work / "copy"),
-                   "hf -> megatron (torch_dist)": run_step("hf2mg", work / "hf", work / "mg"),
-                   "megatron -> hf (safetensors)": run_step("mg2hf", work / "mg", work / "back")}
+        steps = {"imports only (RSS floor)": ("imports", "hf", "none"),
+                 "plain safetensors read+write": ("plain", "hf", "copy"),
+                 "hf -> megatron (torch_dist)": ("hf2mg", "hf", "mg"),
+                 "megatron -> hf (safetensors)": ("mg2hf", "mg", "back")}
+        results = {name: run_step(step, work / src, work / dst, shard)
+                   for name, (step, src, dst) in steps.items()}
         same = bitwise_equal(work / "hf", work / "back")
-        base = results["plain safetensors read+write"]["seconds"]
+        base, floor = results["plain safetensors read+write"], results.pop(
+            "imports only (RSS floor)")["peak_rss"]
         print(f"model: Qwen3-0.6B shape, bf16, {total / 1e9:.2f} GB in "
               f"{len(list((work / 'hf').glob('*.safetensors')))} shards, largest "
-              f"{largest / 1e9:.2f} GB; round trip bitwise identical: {same}")
-        print(f"{'step':32s} {'seconds':>8s} {'GB/s':>6s} {'x plain':>8s} {'peak RSS GB':>12s} "
-              f"{'RSS/shard':>9s}")
+              f"{largest / 1e9:.2f} GB; import RSS floor {floor / 1e9:.2f} GB; "
+              f"round trip bitwise identical: {same}")
+        print(f"{'step':30s} {'wall s':>7s} {'cpu s':>6s} {'GB/s':>5s} {'x plain':>7s} "
+              f"{'peak RSS GB':>11s} {'(RSS-floor)/shard':>17s}")
         for name, r in results.items():
-            print(f"{name:32s} {r['seconds']:8.2f} {total / 1e9 / r['seconds']:6.2f} "
-                  f"{r['seconds'] / base:8.2f} {r['peak_rss'] / 1e9:12.2f} "
-                  f"{r['peak_rss'] / largest:9.2f}")
+            print(f"{name:30s} {r['seconds']:7.2f} {r['cpu']:6.2f} "
+                  f"{total / 1e9 / r['seconds']:5.2f} {r['seconds'] / base['seconds']:7.2f} "
+                  f"{r['peak_rss'] / 1e9:11.2f} {(r['peak_rss'] - floor) / largest:17.2f}")
     finally:
         if a.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -250,7 +250,8 @@ def load_hf_weights_from_shards(model_chunks: list[torch.nn.Module], arch: Qwen3
 
     ``shards`` yields ``(names in the shard, getter)``; a shard may be closed as soon as the
     next one is requested. Each parameter is filled once all its HF inputs were seen; inputs
-    whose partners live in a later shard (at most about one layer) are kept until then.
+    whose partners live in a later shard are kept until then (at most about one layer when
+    shards are layer-ordered, as Hugging Face writes them).
     """
     tp, rank, _ = _tp()
     pending = list(_params(model_chunks, arch))
