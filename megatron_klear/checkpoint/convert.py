@@ -33,7 +33,7 @@ from megatron_klear.models import qwen3
 
 __all__ = ["ConversionError", "DTYPES", "convert_hf_to_megatron", "convert_megatron_to_hf",
            "compare_logits", "megatron_logits", "build_model", "init_parallel",
-           "SafetensorsReader"]
+           "SafetensorsReader", "export_model_to_hf"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -219,6 +219,44 @@ def convert_megatron_to_hf(load_dir: str | Path, out_dir: str | Path, *,
     config = dict(hf_config, torch_dtype=meta["params_dtype"])
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _publish_dir(tmp, out_dir)
+    return out_dir
+
+
+def export_model_to_hf(model_chunks: list[torch.nn.Module], arch: qwen3.Qwen3Arch,
+                       out_dir: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """Write a live model (any TP/PP, called by every rank) as a Hugging Face checkpoint.
+
+    Each pipeline stage writes its own safetensors shard (from its TP rank 0 of DP rank 0);
+    rank 0 writes the index, config.json and tokenizer files, then publishes atomically.
+    """
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tmp = _tmp_dir(out_dir)
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    tensors = {n: t.contiguous() for n, t in hf_bridge.export_hf_weights(model_chunks, arch)}
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    fname = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    if writer:
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+    listing: list = [None] * dist.get_world_size()
+    dist.all_gather_object(listing, (fname, sorted(tensors), sum(
+        t.numel() * t.element_size() for t in tensors.values())) if writer else None)
+    if _rank() == 0:
+        entries = [e for e in listing if e is not None]
+        index = {"metadata": {"total_size": sum(e[2] for e in entries)},
+                 "weight_map": dict(sorted((n, f) for f, names, _ in entries for n in names))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if tokenizer_dir is not None:
+            _copy_tokenizer_files(Path(tokenizer_dir), tmp)
+        (tmp / "config.json").write_text(json.dumps(arch.hf_config, indent=2))
+        _publish_dir(tmp, out_dir)
+    dist.barrier()
     return out_dir
 
 

@@ -22,6 +22,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_klear.config import ConfigError
+
 try:  # Transformer Engine is optional (GPU only)
     import transformer_engine  # noqa: F401
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -31,14 +33,11 @@ except Exception:  # pragma: no cover - TE is never importable on the CPU CI mac
     HAVE_TE = False
 
 __all__ = ["Qwen3Arch", "qwen3_config_from_hf", "load_hf_config", "padded_vocab_size",
-           "layer_spec", "transformer_config", "build_gpt_model", "HAVE_TE"]
+           "layer_spec", "transformer_config", "build_gpt_model", "HAVE_TE",
+           "ConfigError"]
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "vocab_size")
-
-
-class ConfigError(ValueError):
-    """A model config (or parallel layout) that cannot be built; the message names the field."""
 
 
 @dataclass(frozen=True)

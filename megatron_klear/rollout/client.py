@@ -43,6 +43,7 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
+    sampling_seed: int | None = None  # SGLang's per-request seed: reproducible samples
 
     def to_sglang(self) -> dict:
         """The ``sampling_params`` JSON object (unset stop lists omitted)."""
@@ -101,26 +102,32 @@ class RolloutClient:
         return [s.url for s in self.servers]
 
     # ------------------------------------------------------------------ generation
-    async def agenerate(self, prompts: list[str] | list[list[int]],
-                        params: SamplingParams) -> list[list[Generation]]:
-        """n generations per prompt, in prompt order (token-id prompts go as input_ids)."""
+    async def agenerate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
+                        seeds: list[int] | None = None) -> list[list[Generation]]:
+        """n generations per prompt, in prompt order (token-id prompts go as input_ids).
+
+        ``seeds`` gives each prompt its own ``sampling_seed``, so its samples do not depend
+        on which server or batch serves it.
+        """
         sem = asyncio.Semaphore(self.max_concurrency)
+        seeds = seeds if seeds is not None else [params.sampling_seed] * len(prompts)
         async with self._session() as session:
-            async def one(prompt) -> list[Generation]:
+            async def one(prompt, seed) -> list[Generation]:
                 key = "text" if isinstance(prompt, str) else "input_ids"
-                payload = {key: prompt, "sampling_params": params.to_sglang(),
-                           "return_logprob": True}
+                sampling = {**params.to_sglang(), **({"sampling_seed": seed} if seed is not None
+                                                     else {})}
+                payload = {key: prompt, "sampling_params": sampling, "return_logprob": True}
                 async with sem:
                     out = await self._post_balanced(session, "/generate", payload)
                 outs = out if isinstance(out, list) else [out]
                 return [Generation.from_sglang(o) for o in outs]
 
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
+            return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds))))
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[list[Generation]]:
         """Blocking :meth:`agenerate`; works with or without a running loop in this thread."""
-        return self._run_sync(self.agenerate(prompts, params))
+        return self._run_sync(self.agenerate(prompts, params, seeds))
 
     def prompt_logprobs(self, input_ids: list[int]) -> list[list[float]]:
         """Per server: logprobs of tokens 1..L-1 of ``input_ids`` (temperature 1)."""

@@ -33,6 +33,7 @@ class Sequence:
     input_logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: dict | None = None
+    generator: torch.Generator | None = None  # own RNG when the request set sampling_seed
 
 
 class Generator:
@@ -131,7 +132,8 @@ class Generator:
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()
 
     def _step(self, seqs: list[Sequence], logprobs: torch.Tensor) -> None:
-        tokens = sample_next(logprobs, [s.cfg for s in seqs], self.generator)
+        tokens = sample_next(logprobs, [s.cfg for s in seqs],
+                             [s.generator or self.generator for s in seqs])
         for row, s in enumerate(seqs):
             if s.finish_reason is not None:
                 continue

@@ -35,6 +35,7 @@ class SamplingConfig:
     n: int = 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    sampling_seed: int | None = None
 
     @classmethod
     def from_request(cls, params: Any) -> "SamplingConfig":
@@ -61,6 +62,8 @@ class SamplingConfig:
             (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
              "sampling_params.top_k must be -1 (off) or an integer >= 1"),
             (isinstance(self.n, int) and self.n >= 1, "sampling_params.n must be an integer >= 1"),
+            (self.sampling_seed is None or isinstance(self.sampling_seed, int),
+             "sampling_params.sampling_seed must be an integer"),
             (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
              "sampling_params.stop must be a string or a list of non-empty strings"),
             (isinstance(self.stop_token_ids, list)
@@ -99,15 +102,15 @@ def filter_top_k_top_p(logprobs: torch.Tensor, top_k: int, top_p: float) -> torc
 
 
 def sample_next(logprobs: torch.Tensor, configs: list[SamplingConfig],
-                generator: torch.Generator) -> torch.Tensor:
-    """Sample one token per row (argmax for greedy rows) from temperature-scaled logprobs."""
+                generators: list[torch.Generator]) -> torch.Tensor:
+    """Sample one token per row (argmax for greedy rows) with that row's generator."""
     tokens = torch.empty(logprobs.shape[0], dtype=torch.long)
     for row, cfg in enumerate(configs):
         if cfg.greedy:
             tokens[row] = int(torch.argmax(logprobs[row]))
             continue
         filtered = filter_top_k_top_p(logprobs[row], cfg.top_k, cfg.top_p)
-        tokens[row] = int(torch.multinomial(filtered.exp(), 1, generator=generator))
+        tokens[row] = int(torch.multinomial(filtered.exp(), 1, generator=generators[row]))
     return tokens
 
 

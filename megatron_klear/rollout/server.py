@@ -157,6 +157,9 @@ class RolloutServer:
                                f"length {len(prompt)} (-1: no input logprobs)")
         want_input = bool(body.get("return_logprob")) and start >= 0
         seqs = [Sequence(list(prompt), cfg, want_input) for _ in range(cfg.n)]
+        if cfg.sampling_seed is not None:  # sample j of the request: its own seeded stream
+            for j, s in enumerate(seqs):
+                s.generator = torch.Generator().manual_seed(cfg.sampling_seed * 7919 + j)
         rid = body.get("rid") or uuid.uuid4().hex
         return _Request(str(rid), seqs, asyncio.get_running_loop().create_future(),
                         bool(body.get("return_logprob")), start)

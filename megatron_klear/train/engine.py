@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_klear import platform
+from megatron_klear.config import TrainConfig
+from megatron_klear.models.qwen3 import Qwen3Arch, build_gpt_model, transformer_config
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> platform.Platform:
@@ -22,7 +27,7 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> platform.
     Works under torchrun (env://) and when the default group already exists (tests).
     Seeds python, numpy, torch and megatron's model-parallel RNG tracker.
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     plat = platform.setup()
     if not dist.is_initialized():
@@ -49,3 +54,191 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+MicroBatch = dict  # "tokens", "position_ids", optional "attention_mask", plus loss inputs
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class Engine:
+    """A Qwen3 model at a TP/PP layout with its DDP wrappers, optimizer and LR schedule."""
+
+    cfg: TrainConfig
+    arch: Qwen3Arch
+    model: list[torch.nn.Module]
+    optimizer: Any = None
+    scheduler: Any = None
+
+    @property
+    def transformer_config(self):
+        """The megatron TransformerConfig shared by every model chunk."""
+        return self.model[0].config
+
+    def forward_backward(self, microbatches: list[MicroBatch], loss_fn: LossFn, *,
+                         forward_only: bool = False) -> list[dict]:
+        """Run megatron's pipeline schedule over ``microbatches``.
+
+        ``loss_fn(logits, batch)`` returns ``(loss, metrics)`` where ``loss`` is this
+        micro-batch's share of the mini-batch loss, already divided by the GLOBAL
+        normaliser (all micro-batches, all DP ranks): summing the shares gives the
+        mini-batch loss. The engine undoes megatron's averaging over micro-batches and DP
+        ranks so that the gradient is exactly that of the mini-batch loss. Returns the
+        per-micro-batch metrics on the last pipeline stage (an empty list elsewhere).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        scale = len(microbatches) * parallel_state.get_data_parallel_world_size()
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+
+            def loss_func(output):
+                loss, metrics = loss_fn(output, batch)
+                return loss * scale, metrics
+
+            return logits, loss_func
+
+        b, s = microbatches[0]["tokens"].shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.model,
+            num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+            forward_only=forward_only)
+
+    def train_step(self, microbatches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on a mini-batch; returns summed metrics, grad norm and LR."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stored = self.forward_backward(microbatches, loss_fn)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        metrics = sum_metrics(stored)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["update_skipped"] = float(not ok)
+        return metrics
+
+    @torch.no_grad()
+    def forward_only(self, microbatches: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
+        """Forward passes (e.g. old log-probs); per-micro-batch outputs on the last stage."""
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            return self.forward_backward(microbatches, loss_fn, forward_only=True)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+
+
+def sum_metrics(per_microbatch: list[dict]) -> dict[str, float]:
+    """Sum scalar metrics over micro-batches and DP ranks, then share them with every rank."""
+    totals: dict[str, float] = {}
+    for m in per_microbatch:
+        for k, v in m.items():
+            if torch.is_tensor(v) and v.numel() == 1:
+                totals[k] = totals.get(k, 0.0) + float(v.detach())
+    keys = sorted(totals)
+    if keys:
+        vec = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(vec, group=parallel_state.get_data_parallel_group())
+        totals = dict(zip(keys, vec.tolist()))
+    return broadcast_from_last_stage(totals)
+
+
+def broadcast_from_last_stage(obj: Any) -> Any:
+    """Share a picklable object from the last pipeline stage with every stage."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    holder = [obj]
+    src = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast_object_list(holder, src=src,
+                               group=parallel_state.get_pipeline_model_parallel_group())
+    return holder[0]
+
+
+def data_parallel_all_reduce(value: float | torch.Tensor) -> torch.Tensor:
+    """Sum a number over data-parallel ranks (global token counts for the loss normaliser)."""
+    t = torch.as_tensor(value, dtype=torch.float64).clone()
+    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return t
+
+
+def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> list[torch.nn.Module]:
+    """The model chunks of this rank, optionally wrapped in megatron DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    tconf = transformer_config(arch, tp=cfg.tensor_model_parallel_size,
+                               pp=cfg.pipeline_model_parallel_size, params_dtype=dtype)
+    chunks = [build_gpt_model(arch, tconf)]
+    if not wrap_ddp:
+        return chunks
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+    return [DistributedDataParallel(config=tconf, ddp_config=ddp_cfg, module=c) for c in chunks]
+
+
+def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
+    """megatron-core AdamW (non-distributed) and its LR/WD scheduler; hooks the schedule up."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad, bf16=cfg.bf16,
+        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        use_distributed_optimizer=False)
+    optimizer = get_megatron_optimizer(opt_cfg, model)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr,
+        min_lr=cfg.min_lr if cfg.lr_decay_style != "constant" else cfg.lr,
+        lr_warmup_steps=cfg.lr_warmup_iters, lr_decay_steps=max(cfg.decay_iters, 1),
+        lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+        wd_incr_steps=max(cfg.decay_iters, 1), wd_incr_style="constant")
+    tconf = model[0].config
+    tconf.finalize_model_grads_func = finalize_model_grads
+    tconf.grad_scale_func = optimizer.scale_loss
+    tconf.no_sync_func = [c.no_sync for c in model] if len(model) > 1 else model[0].no_sync
+    return optimizer, scheduler
+
+
+def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = True) -> Engine:
+    """Initialise parallel state (if needed) and build the model, optimizer and schedule."""
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                            cfg.seed)
+    if dist.is_initialized():
+        cfg.data_parallel_size(dist.get_world_size())
+    model = build_model(arch, cfg, wrap_ddp=with_optimizer)
+    engine = Engine(cfg=cfg, arch=arch, model=model)
+    if with_optimizer:
+        engine.optimizer, engine.scheduler = build_optimizer(model, cfg)
+    return engine
+
+
+def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
+    """Resume from ``--load`` when it holds a checkpoint, else load ``--hf-checkpoint`` weights.
+
+    Returns the :class:`~megatron_klear.checkpoint.state.CheckpointInfo` of a resumed run,
+    or None for a fresh start.
+    """
+    from megatron_klear.checkpoint.convert import SafetensorsReader
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.checkpoint.state import load_checkpoint
+
+    cfg = engine.cfg
+    for src in (cfg.load, cfg.save):  # a restarted job resumes from its own --save dir
+        if src:
+            info = load_checkpoint(src, engine.model,
+                                   optimizer=engine.optimizer if with_optimizer else None,
+                                   scheduler=engine.scheduler if with_optimizer else None)
+            if info is not None:
+                return info
+    if cfg.hf_checkpoint:
+        load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
+    return None

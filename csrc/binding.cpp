@@ -1,0 +1,93 @@
+// Torch binding of the fused vocab-parallel log-prob / policy-loss kernels: module
+// megatron_klear._C registers the `klear::` ops and their CPU implementations. The CUDA
+// implementations are registered by cuda_binding.cpp (built only with CUDA torch). Autograd is
+// provided on the Python side (megatron_klear/ops/policy_loss.py) around these ops.
+#include <ATen/Dispatch.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "cpu/vocab_logprobs_cpu.h"
+#include "op_checks.h"
+
+namespace {
+
+at::Tensor stats_cpu(const at::Tensor& logits, const at::Tensor& target_local, int64_t valid,
+                     double inv_temp) {
+  klear::check_rows(logits, target_local, valid);
+  auto stats = at::empty({logits.size(0), 4}, logits.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "klear_stats",
+                                  [&] {
+    klear::cpu::logprob_stats(logits.const_data_ptr<scalar_t>(), logits.size(0), logits.size(1),
+                              target_local.const_data_ptr<int64_t>(), valid,
+                              static_cast<float>(inv_temp), stats.mutable_data_ptr<float>());
+  });
+  return stats;
+}
+
+const float* optional_ptr(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr<float>() : nullptr;
+}
+
+at::Tensor backward_cpu(const at::Tensor& logits, const at::Tensor& target_local,
+                        const at::Tensor& lse, const at::Tensor& entropy,
+                        const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy,
+                        int64_t valid, double inv_temp, bool inplace) {
+  klear::check_rows(logits, target_local, valid);
+  auto grad = inplace ? logits : at::empty_like(logits);
+  auto lse_c = lse.contiguous(), ent_c = entropy.contiguous(), gl = grad_logp.contiguous();
+  std::optional<at::Tensor> ge;
+  if (grad_entropy.has_value()) ge = grad_entropy->contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "klear_bwd",
+                                  [&] {
+    klear::cpu::logprob_backward(logits.const_data_ptr<scalar_t>(),
+                                 grad.mutable_data_ptr<scalar_t>(), logits.size(0),
+                                 logits.size(1), target_local.const_data_ptr<int64_t>(), valid,
+                                 static_cast<float>(inv_temp), lse_c.const_data_ptr<float>(),
+                                 ent_c.const_data_ptr<float>(), gl.const_data_ptr<float>(),
+                                 optional_ptr(ge));
+  });
+  return grad;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cpu(
+    const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& adv, int64_t loss_type,
+    double eps_low, double eps_high, double beta1, double beta2, double dual_clip) {
+  klear::check_tokens(logp, old_logp, adv);
+  const auto &lp = logp, &old = old_logp, &a = adv;
+  auto loss = at::empty_like(lp), dlogp = at::empty_like(lp), ratio = at::empty_like(lp);
+  const klear::TokenLossParams p =
+      klear::token_params(loss_type, eps_low, eps_high, beta1, beta2, dual_clip);
+  klear::cpu::token_policy_loss(lp.const_data_ptr<float>(), old.const_data_ptr<float>(),
+                                a.const_data_ptr<float>(), lp.numel(), p,
+                                loss.mutable_data_ptr<float>(), dlogp.mutable_data_ptr<float>(),
+                                ratio.mutable_data_ptr<float>());
+  return {loss, dlogp, ratio};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(klear, m) {
+  m.def("logprob_stats(Tensor logits, Tensor target_local, int valid, float inv_temp) -> Tensor");
+  m.def("logprob_backward(Tensor(a!) logits, Tensor target_local, Tensor lse, Tensor entropy, "
+        "Tensor grad_logp, Tensor? grad_entropy, int valid, float inv_temp, bool inplace) -> "
+        "Tensor");
+  m.def("token_policy_loss(Tensor logp, Tensor old_logp, Tensor adv, int loss_type, "
+        "float eps_low, float eps_high, float beta1, float beta2, float dual_clip) -> "
+        "(Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(klear, CPU, m) {
+  m.impl("logprob_stats", &stats_cpu);
+  m.impl("logprob_backward", &backward_cpu);
+  m.impl("token_policy_loss", &token_loss_cpu);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megatron-klear fused kernels; ops are registered under torch.ops.klear";
+  m.attr("with_cuda") =
+#ifdef KLEAR_WITH_CUDA
+      true;
+#else
+      false;
+#endif
+}

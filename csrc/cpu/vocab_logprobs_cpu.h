@@ -1,0 +1,122 @@
+// CPU kernels of the fused vocab-parallel log-prob / policy loss (OpenMP over rows).
+//
+// Plain templates over the logits element type T (float, c10::BFloat16, c10::Half: anything
+// convertible to and from float); no torch headers. One row is one token; a row holds this
+// rank's vocabulary shard, of which the first `valid` slots are real (the rest is padding and
+// behaves as -inf). All accumulation is fp32, every row is reduced by one thread in a fixed
+// order, so results are deterministic and independent of the thread count.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "policy_loss_math.h"
+
+namespace klear::cpu {
+
+// exp(x) for x <= 0 (arguments below -87 give ~0): Cody-Waite reduction + Cephes polynomial,
+// plain arithmetic so that `omp simd` loops vectorise (libm's expf does not without -ffast-math).
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  float r = x - k * 0.693359375f;
+  r = r + k * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// Row statistics of the temperature-scaled shard x = logits * inv_temp:
+// out = {m = max x, d = sum exp(x - m), s = sum exp(x - m)(x - m), x[target] or 0}.
+template <typename T>
+void row_stats(const T* row, int64_t valid, int64_t target, float inv_temp, float* out) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < valid; ++j) m = std::fmax(m, static_cast<float>(row[j]) * inv_temp);
+  float d = 0.0f, s = 0.0f;
+#pragma omp simd reduction(+ : d, s)
+  for (int64_t j = 0; j < valid; ++j) {
+    const float z = std::fmax(static_cast<float>(row[j]) * inv_temp - m, -87.0f);
+    const float e = exp_nonpos(z);
+    d += e;
+    s += e * z;
+  }
+  out[0] = m;
+  out[1] = d;
+  out[2] = s;
+  out[3] = (target >= 0 && target < valid) ? static_cast<float>(row[target]) * inv_temp : 0.0f;
+}
+
+template <typename T>
+void logprob_stats(const T* logits, int64_t rows, int64_t vocab, const int64_t* target_local,
+                   int64_t valid, float inv_temp, float* stats) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; ++i)
+    row_stats(logits + i * vocab, valid, target_local[i], inv_temp, stats + 4 * i);
+}
+
+// d/dx_j of (g_logp * logp + g_ent * H) for one row, times inv_temp (x = logits * inv_temp):
+// g_logp (onehot_j - p_j) - g_ent p_j (log p_j + H), p_j = exp(x_j - lse). Safe in place
+// (grad == row): the target logit is read before the row is overwritten.
+template <typename T, bool kEntropy>
+void row_backward(const T* row, T* grad, int64_t vocab, int64_t valid, int64_t target,
+                  float inv_temp, float lse, float entropy, float g_logp, float g_ent) {
+  const bool has_target = target >= 0 && target < valid;
+  const float x_target = has_target ? static_cast<float>(row[target]) * inv_temp - lse : 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < valid; ++j) {
+    const float z = static_cast<float>(row[j]) * inv_temp - lse;
+    const float p = exp_nonpos(z);
+    float g = -g_logp * p;
+    if constexpr (kEntropy) g -= g_ent * p * (z + entropy);
+    grad[j] = static_cast<T>(g * inv_temp);
+  }
+  for (int64_t j = valid; j < vocab; ++j) grad[j] = static_cast<T>(0.0f);
+  if (has_target) {
+    const float p = exp_nonpos(x_target);
+    float g = g_logp * (1.0f - p);
+    if constexpr (kEntropy) g -= g_ent * p * (x_target + entropy);
+    grad[target] = static_cast<T>(g * inv_temp);
+  }
+}
+
+template <typename T>
+void logprob_backward(const T* logits, T* grad, int64_t rows, int64_t vocab,
+                      const int64_t* target_local, int64_t valid, float inv_temp,
+                      const float* lse, const float* entropy, const float* g_logp,
+                      const float* g_ent) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* row = logits + i * vocab;
+    T* out = grad + i * vocab;
+    if (g_ent != nullptr)
+      row_backward<T, true>(row, out, vocab, valid, target_local[i], inv_temp, lse[i],
+                            entropy[i], g_logp[i], g_ent[i]);
+    else
+      row_backward<T, false>(row, out, vocab, valid, target_local[i], inv_temp, lse[i], 0.0f,
+                             g_logp[i], 0.0f);
+  }
+}
+
+inline void token_policy_loss(const float* logp, const float* old_logp, const float* adv,
+                              int64_t n, const TokenLossParams& params, float* loss, float* dlogp,
+                              float* ratio) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const TokenLoss t = klear::token_policy_loss(logp[i], old_logp[i], adv[i], params);
+    loss[i] = t.loss;
+    dlogp[i] = t.dlogp;
+    ratio[i] = t.ratio;
+  }
+}
+
+}  // namespace klear::cpu

@@ -1,0 +1,38 @@
+// Argument checks and conversions shared by the CPU (binding.cpp) and CUDA (cuda_binding.cpp)
+// implementations of the `klear::` ops.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "policy_loss_math.h"
+
+namespace klear {
+
+inline void check_rows(const at::Tensor& logits, const at::Tensor& target_local, int64_t valid) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(),
+              "klear: logits must be a contiguous [tokens, vocab_shard] tensor");
+  TORCH_CHECK(target_local.scalar_type() == at::kLong && target_local.is_contiguous() &&
+                  target_local.numel() == logits.size(0) &&
+                  target_local.device() == logits.device(),
+              "klear: target_local must be a contiguous int64 tensor with one id per row, on "
+              "the logits' device");
+  TORCH_CHECK(valid >= 0 && valid <= logits.size(1),
+              "klear: valid vocab slots must be in [0, vocab_shard]");
+}
+
+inline void check_tokens(const at::Tensor& logp, const at::Tensor& old_logp,
+                         const at::Tensor& adv) {
+  for (const at::Tensor* t : {&logp, &old_logp, &adv})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == logp.numel() && t->device() == logp.device(),
+                "klear: token_policy_loss takes three contiguous float32 tensors of one size");
+}
+
+inline TokenLossParams token_params(int64_t loss_type, double eps_low, double eps_high,
+                                    double beta1, double beta2, double dual_clip) {
+  TORCH_CHECK(loss_type >= kPPO && loss_type <= kCISPO, "klear: unknown loss_type ", loss_type);
+  return {static_cast<int>(loss_type), static_cast<float>(eps_low), static_cast<float>(eps_high),
+          static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(dual_clip)};
+}
+
+}  // namespace klear

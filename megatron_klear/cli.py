@@ -1,0 +1,33 @@
+"""Shared entry-point behaviour for the console scripts: clear errors, non-zero exits."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+
+def run_main(fn: Callable[[], Any]) -> Any:
+    """Run ``fn``; a bad-input error prints one clear line and exits with status 2."""
+    from megatron_klear.config import ConfigError
+
+    bad_input: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError)
+    try:
+        from megatron_klear.data.prompts import DataError
+
+        bad_input += (DataError,)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        return fn()
+    except bad_input as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        _shutdown()
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,185 @@
+"""One typed config with Megatron-style CLI flags and YAML files.
+
+Every dataclass field is a flag: ``tensor_model_parallel_size`` is
+``--tensor-model-parallel-size``. A YAML file given with ``--config`` supplies defaults
+(keys with dashes or underscores); flags on the command line override it. Unknown keys
+and inconsistent values fail with a :class:`ConfigError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+
+__all__ = ["ConfigError", "TrainConfig", "parse_config", "flag", "to_dict"]
+
+T = TypeVar("T", bound="TrainConfig")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the flag and the fix."""
+
+
+def flag(name: str) -> str:
+    """The CLI flag of a config field."""
+    return "--" + name.replace("_", "-")
+
+
+def opt(default: Any, help: str, choices: Sequence | None = None) -> Any:
+    """A config field with its help text (and allowed values)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """Settings shared by every trainer (model, parallelism, optimizer, schedule, I/O)."""
+
+    # model and checkpoints
+    hf_checkpoint: str | None = opt(None, "Hugging Face Qwen3 dir: architecture, tokenizer, "
+                                          "and initial weights unless --load has a checkpoint")
+    load: str | None = opt(None, "checkpoint dir to resume or initialise from")
+    save: str | None = opt(None, "checkpoint dir to save to")
+    save_interval: int = opt(0, "save every K steps (0: only at the end)")
+    keep_last: int = opt(2, "keep the last N checkpoints")
+    # parallelism
+    tensor_model_parallel_size: int = opt(1, "tensor-parallel size")
+    pipeline_model_parallel_size: int = opt(1, "pipeline-parallel size")
+    # batch
+    micro_batch_size: int = opt(1, "sequences per micro-batch")
+    global_batch_size: int = opt(8, "sequences per optimizer step (across data-parallel ranks)")
+    seq_length: int = opt(512, "sequence length (packing bin size)")
+    # optimizer and schedule
+    lr: float = opt(1e-5, "peak learning rate")
+    min_lr: float = opt(0.0, "minimum learning rate of the decay")
+    lr_decay_style: str = opt("constant", "LR decay", choices=("constant", "cosine", "linear"))
+    lr_warmup_iters: int = opt(0, "linear warmup steps")
+    lr_decay_iters: int | None = opt(None, "decay steps (default: --train-iters)")
+    train_iters: int = opt(10, "optimizer steps to run")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    clip_grad: float = opt(1.0, "gradient clipping by global norm (0: off)")
+    bf16: bool = opt(False, "bf16 parameters and compute (GPU)")
+    seed: int = opt(1234, "random seed")
+    # logging
+    log_dir: str | None = opt(None, "metrics.jsonl and TensorBoard events (default: --save)")
+    log_interval: int = opt(1, "print metrics every K steps")
+    progress_bar: bool = opt(True, "console progress bar (--no-progress-bar: JSON lines)")
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the flag of the first inconsistent value."""
+        positive = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "micro_batch_size", "global_batch_size", "seq_length", "keep_last")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("train_iters", "save_interval", "lr_warmup_iters", "log_interval"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} must be a multiple "
+                              f"of --micro-batch-size {self.micro_batch_size}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} must be between 0 and --lr {self.lr}")
+        if self.lr_warmup_iters > max(self.decay_iters, self.lr_warmup_iters) or \
+                (self.lr_decay_style != "constant" and self.lr_warmup_iters >= self.decay_iters > 0):
+            raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must be smaller than "
+                              f"--lr-decay-iters {self.decay_iters}")
+
+    @property
+    def decay_iters(self) -> int:
+        """Steps over which the LR decays."""
+        return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size for a world size; raises when TP x PP does not divide it."""
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % mp:
+            raise ConfigError(f"--tensor-model-parallel-size x --pipeline-model-parallel-size = "
+                              f"{mp} does not divide the number of processes ({world_size})")
+        dp = world_size // mp
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
+                              f"--micro-batch-size x data-parallel size ({self.micro_batch_size} x {dp})")
+        return dp
+
+
+def _base_type(tp: Any) -> Any:
+    """int for ``int | None`` and the like."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def _build_parser(cls: type[TrainConfig], prog: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", help="YAML file of defaults (flags override it)")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints[f.name])
+        kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", ""),
+                              "default": argparse.SUPPRESS}
+        if tp is bool:
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if typing.get_origin(tp) is list:
+            kw.update(nargs="+", type=typing.get_args(tp)[0])
+        else:
+            kw["type"] = tp
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]
+        parser.add_argument(flag(f.name), **kw)
+    return parser
+
+
+def _load_yaml(path: str, cls: type[TrainConfig]) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: file not found")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in names:
+            raise ConfigError(f"--config {path}: unknown key {key!r} (no flag {flag(name)})")
+        out[name] = value
+    return out
+
+
+def parse_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
+    """Parse flags (and an optional ``--config`` YAML) into a validated ``cls`` instance."""
+    parser = _build_parser(cls, prog)
+    args = vars(parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
+    values = _load_yaml(args.pop("config"), cls) if args.get("config") else {}
+    args.pop("config", None)
+    values.update(args)
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        tp = _base_type(hints[name])
+        if value is not None and tp in (int, float, str, bool) and not isinstance(value, tp):
+            if tp is float and isinstance(value, int) and not isinstance(value, bool):
+                values[name] = float(value)
+            else:
+                raise ConfigError(f"{flag(name)}: expected {tp.__name__}, got {value!r}")
+        choices = next(f.metadata.get("choices") for f in dataclasses.fields(cls) if f.name == name)
+        if choices and values[name] not in choices:
+            raise ConfigError(f"{flag(name)}: {values[name]!r} is not one of {list(choices)}")
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    """The config as a plain dict (saved with checkpoints and metrics)."""
+    return dataclasses.asdict(cfg)

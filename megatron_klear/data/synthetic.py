@@ -1,0 +1,46 @@
+"""Generated chain-of-thought arithmetic for the CPU quickstart (no downloads).
+
+Problems are ``a + b * c`` with one-digit operands; the response reasons in two steps and
+ends with ``\\boxed{answer}``, so the real math reward (math-verify on ``\\boxed{}``) scores it.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from megatron_klear.data.records_io import write_records
+
+
+def arithmetic_problem(rng: random.Random) -> tuple[str, str, int]:
+    """(question, chain-of-thought response, answer)."""
+    a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
+    answer = a + b * c
+    question = f"What is {a}+{b}*{c}?"
+    response = f"<think>{b}*{c}={b * c}, {a}+{b * c}={answer}.</think> \\boxed{{{answer}}}"
+    return question, response, answer
+
+
+def write_arithmetic_data(out_dir: str | Path, *, seed: int = 0, n_sft: int = 2000,
+                          n_rl: int = 1000, n_eval: int = 64) -> dict[str, Path]:
+    """sft.jsonl (prompt/response), rl.jsonl and eval.jsonl (prompt/answer) in ``out_dir``.
+
+    The eval problems are disjoint from the RL and SFT prompts.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    pool = {}
+    while len(pool) < 729:  # every (a, b, c) triple
+        q, r, a = arithmetic_problem(rng)
+        pool[q] = (r, a)
+    questions = sorted(pool)
+    rng.shuffle(questions)
+    eval_q, train_q = questions[:n_eval], questions[n_eval:]
+    paths = {name: out / f"{name}.jsonl" for name in ("sft", "rl", "eval")}
+    write_records(paths["sft"], ({"prompt": q, "response": pool[q][0]} for q in
+                                 (rng.choice(train_q) for _ in range(n_sft))))
+    write_records(paths["rl"], ({"prompt": q, "answer": str(pool[q][1])} for q in
+                                (rng.choice(train_q) for _ in range(n_rl))))
+    write_records(paths["eval"], ({"prompt": q, "answer": str(pool[q][1])} for q in eval_q))
+    return paths

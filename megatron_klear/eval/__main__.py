@@ -1,0 +1,110 @@
+"""``klear-eval``: avg@k / pass@k of a model on JSONL benchmarks, or re-judging saved samples.
+
+  klear-eval --model DIR --benchmark aime=aime24.jsonl --benchmark lcb=lcb.jsonl:code \\
+             --k 16 --temperature 1.0 --max-new-tokens 32768 --out-dir eval/
+  klear-eval --rejudge eval/samples.jsonl
+
+--model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly).
+Without --rollout-urls, embedded rollout servers are started on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from megatron_klear.eval.evaluate import evaluate, parse_benchmark, rejudge, write_report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The klear-eval flags."""
+    p = argparse.ArgumentParser(prog="klear-eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF model dir or megatron-klear checkpoint dir")
+    p.add_argument("--benchmark", action="append", default=[],
+                   help="name=path.jsonl[:reward] (reward: math or code; default math)")
+    p.add_argument("--prompt-key", default="prompt")
+    p.add_argument("--answer-key", default="answer")
+    p.add_argument("--answer-format", default=None, help="e.g. gsm8k ('#### N' answers)")
+    p.add_argument("--k", type=int, default=4, help="samples per problem")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--yarn-factor", type=float, default=None,
+                   help="YaRN rope scaling for longer contexts (SGLang servers)")
+    p.add_argument("--rollout-urls", nargs="+", default=None)
+    p.add_argument("--num-servers", type=int, default=1, help="embedded servers to start")
+    p.add_argument("--out-dir", default="eval_out")
+    p.add_argument("--rejudge", default=None, help="samples.jsonl to re-score (no model)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def resolve_model(model: str, out_dir: Path) -> Path:
+    """An HF dir for ``model``: itself, or a conversion of a megatron-klear checkpoint."""
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return path
+    if (path / "latest_checkpointed_iteration.txt").is_file():
+        from megatron_klear.checkpoint.convert import convert_megatron_to_hf
+
+        target = out_dir / "hf_model"
+        if not (target / "config.json").is_file():
+            convert_megatron_to_hf(path, target)
+        return target
+    raise FileNotFoundError(f"--model {model}: neither an HF dir (config.json) nor a "
+                            "megatron-klear checkpoint (latest_checkpointed_iteration.txt)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the evaluation described by the flags and write the report."""
+    out = Path(args.out_dir)
+    if args.rejudge:
+        report = rejudge(args.rejudge, k=None)
+        write_report(report, out, {"rejudged": args.rejudge})
+        return report
+    if not args.model or not args.benchmark:
+        raise FileNotFoundError("--model and at least one --benchmark are required "
+                                "(or --rejudge samples.jsonl)")
+    if args.k < 1:
+        raise ValueError("--k must be >= 1")
+    from transformers import AutoTokenizer
+
+    from megatron_klear.rollout.client import RolloutClient, SamplingParams
+    from megatron_klear.rollout.launcher import connect, launch_embedded_servers
+
+    out.mkdir(parents=True, exist_ok=True)
+    hf_dir = resolve_model(args.model, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    benches = [parse_benchmark(b, prompt_key=args.prompt_key, answer_key=args.answer_key,
+                               answer_format=args.answer_format) for b in args.benchmark]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, stop_token_ids=[tokenizer.eos_token_id])
+    if args.yarn_factor and not args.rollout_urls:
+        raise ValueError("--yarn-factor needs SGLang servers (--rollout-urls started with "
+                         "launch_sglang_servers(yarn_factor=...)); the embedded server has none")
+    servers = (connect(args.rollout_urls) if args.rollout_urls else
+               launch_embedded_servers(str(hf_dir), args.num_servers, seed=args.seed))
+    with servers:
+        report = evaluate(RolloutClient(servers.urls), tokenizer, benches, k=args.k,
+                          params=params, samples_path=out / "samples.jsonl")
+    write_report(report, out, {"model": str(args.model), "k": args.k,
+                               "temperature": args.temperature, "top_p": args.top_p,
+                               "max_new_tokens": args.max_new_tokens})
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``klear-eval``."""
+    from megatron_klear.cli import run_main
+
+    args = build_parser().parse_args(argv)
+    report = run_main(lambda: run(args))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""avg@k evaluation through the rollout servers, with resumable per-sample records.
+
+Every sampled response is appended to ``samples.jsonl`` (problem, response, score) as
+soon as its problem is done, so an interrupted run resumes without regenerating, and a
+report can be recomputed from the samples alone (re-judging).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from tqdm import tqdm
+
+from megatron_klear.data.prompts import load_prompt_dataset, render_prompt
+from megatron_klear.rewards import score_batch
+from megatron_klear.rewards.metrics import pass_at_k
+from megatron_klear.rollout.client import RolloutClient, SamplingParams
+
+
+@dataclass
+class Benchmark:
+    """A JSONL benchmark and how to read and score it."""
+
+    name: str
+    path: str
+    reward: str = "math"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    answer_format: str | None = None
+
+
+def parse_benchmark(spec: str, **defaults: Any) -> Benchmark:
+    """``name=path[:reward]`` or a bare path (name = file stem)."""
+    name, _, rest = spec.rpartition("=") if "=" in spec else ("", "", spec)
+    path, _, reward = rest.partition(":") if rest.count(":") == 1 else (rest, "", "")
+    fields = dict(defaults)
+    if reward:
+        fields["reward"] = reward
+    return Benchmark(name=name or Path(path).stem, path=path, **fields)
+
+
+def _done(samples_path: Path) -> dict[tuple[str, int], list[dict]]:
+    done: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    if samples_path.exists():
+        for line in samples_path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a torn last line from a kill
+                    continue
+                done[(rec["benchmark"], rec["problem"])].append(rec)
+    return done
+
+
+def evaluate(client: RolloutClient, tokenizer: Any, benchmarks: Sequence[Benchmark], *,
+             k: int, params: SamplingParams, samples_path: str | Path | None = None,
+             batch_problems: int = 16, progress: bool = True) -> dict[str, dict]:
+    """Sample ``k`` responses per problem, score them, and return the report per benchmark."""
+    samples_path = Path(samples_path) if samples_path else None
+    done = _done(samples_path) if samples_path else {}
+    if samples_path and any(len(recs) != k for recs in done.values()):
+        done = {key: recs for key, recs in done.items() if len(recs) == k}  # drop partials
+        _atomic_write(samples_path, "".join(json.dumps(r) + "\n" for recs in done.values()
+                                            for r in recs))
+    params = SamplingParams(**{**params.__dict__, "n": k})
+    records: list[dict] = [r for recs in done.values() for r in recs]
+    for bench in benchmarks:
+        problems = load_prompt_dataset(bench.path, prompt_key=bench.prompt_key,
+                                       answer_key=bench.answer_key,
+                                       answer_format=bench.answer_format)
+        todo = [p for p in problems if len(done.get((bench.name, p.index), [])) != k]
+        bar = tqdm(total=len(problems), initial=len(problems) - len(todo), desc=f"eval {bench.name}",
+                   disable=not progress)
+        for start in range(0, len(todo), batch_problems):
+            chunk = todo[start:start + batch_problems]
+            new = _sample_and_score(client, tokenizer, bench, chunk, params)
+            if samples_path:
+                with samples_path.open("a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in new))
+                    f.flush()
+                    os.fsync(f.fileno())
+            records += new
+            bar.update(len(chunk))
+        bar.close()
+    return summarize(records, k)
+
+
+def _sample_and_score(client, tokenizer, bench: Benchmark, problems, params) -> list[dict]:
+    prompts = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)
+               ["input_ids"] for p in problems]
+    gens = client.generate(prompts, params)
+    flat = [(p, g) for p, group in zip(problems, gens) for g in group]
+    scores = score_batch(bench.reward, [g.text for _, g in flat], [p.label for p, _ in flat])
+    return [{"benchmark": bench.name, "problem": p.index, "reward_name": bench.reward,
+             "label": p.label, "response": g.text, "response_tokens": len(g.output_ids),
+             "finish_reason": g.finish_reason, "score": float(s)}
+            for (p, g), s in zip(flat, scores)]
+
+
+def summarize(records: Iterable[dict], k: int) -> dict[str, dict]:
+    """avg@k, unbiased pass@k, mean response length and truncation rate per benchmark."""
+    by_problem: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        by_problem[r["benchmark"]][r["problem"]].append(r)
+    report = {}
+    for bench, problems in sorted(by_problem.items()):
+        samples = [r for rs in problems.values() for r in rs]
+        correct = {p: sum(r["score"] >= 1.0 for r in rs) for p, rs in problems.items()}
+        report[bench] = {
+            "problems": len(problems),
+            "samples": len(samples),
+            f"avg@{k}": sum(r["score"] for r in samples) / len(samples),
+            f"pass@{k}": sum(pass_at_k(len(problems[p]), c, k) for p, c in correct.items())
+            / len(problems),
+            "mean_response_tokens": sum(r["response_tokens"] for r in samples) / len(samples),
+            "truncation_rate": sum(r["finish_reason"] == "length" for r in samples) / len(samples),
+        }
+    return report
+
+
+def rejudge(samples_path: str | Path, k: int | None = None) -> dict[str, dict]:
+    """Re-score saved responses with the reward registry (no model) and summarise."""
+    recs = [r for rs in _done(Path(samples_path)).values() for r in rs]
+    if not recs:
+        raise FileNotFoundError(f"--rejudge {samples_path}: no samples found")
+    by_reward: dict[str, list[dict]] = defaultdict(list)
+    for r in recs:
+        by_reward[r["reward_name"]].append(r)
+    for name, rs in by_reward.items():
+        for r, s in zip(rs, score_batch(name, [r["response"] for r in rs],
+                                        [r["label"] for r in rs])):
+            r["score"] = float(s)
+    if k is None:
+        counts = defaultdict(int)
+        for r in recs:
+            counts[(r["benchmark"], r["problem"])] += 1
+        k = min(counts.values())
+    return summarize(recs, k)
+
+
+def write_report(report: dict[str, dict], out_dir: str | Path, meta: dict | None = None) -> Path:
+    """``report.json`` and ``report.md`` in ``out_dir`` (written atomically)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmarks": report, **({"meta": meta} if meta else {})}
+    _atomic_write(out / "report.json", json.dumps(payload, indent=2))
+    cols = sorted({c for row in report.values() for c in row})
+    lines = ["| benchmark | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, row in report.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(row.get(c)) for c in cols) + " |")
+    _atomic_write(out / "report.md", "\n".join(lines) + "\n")
+    return out / "report.json"
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

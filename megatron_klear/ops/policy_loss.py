@@ -1,0 +1,311 @@
+"""Fused vocab-parallel log-probs, entropy and policy loss (GPPO / PPO / CISPO).
+
+Under tensor parallelism the logits are sharded over the vocabulary: rank r holds the global
+columns ``[r * V/TP, (r + 1) * V/TP)`` (megatron's VocabUtility convention), target ids are
+global. Slots at global index >= ``vocab_size`` are padding and count as -inf.
+
+Backends (``backend=``):
+
+* ``torch``: the specification. Gathers the full vocabulary (differentiably), upcasts to fp32 and
+  uses ``log_softmax``; simple and obviously right, but keeps softmax-sized fp32 copies alive.
+* ``cpu`` / ``cuda``: the fused kernels of the ``megatron_klear._C`` extension (csrc/). Per token
+  they keep O(1) floats: a stats pass (max, sum-exp, entropy accumulator, target logit), ONE
+  all-gather of the ``[T, 4]`` stats across the TP group, and a backward that recomputes the
+  softmax from the logits (optionally writing the gradient in place into the logits buffer).
+* ``auto``: the fused kernel for the logits' device when the extension has it, else ``torch``.
+
+Gradient convention (as megatron's vocab_parallel_cross_entropy): every TP rank computes the same
+loss; the gradient returned for a rank's shard is the gradient of that one loss w.r.t. the shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_klear.algo.losses import (aggregate, check_loss_args, per_token_policy_loss,
+                                        policy_metrics)
+
+__all__ = ["PolicyLossOutput", "vocab_parallel_policy_loss", "vocab_parallel_logprobs",
+           "available_backends", "resolve_backend"]
+
+_KERNEL_LOSS_TYPES = {"ppo": 0, "gppo": 1, "cispo": 2}
+
+
+class PolicyLossOutput(NamedTuple):
+    """Result of :func:`vocab_parallel_policy_loss` (per-token tensors shaped like the targets)."""
+
+    loss: Tensor              # scalar, differentiable w.r.t. the logits shard
+    logprobs: Tensor          # differentiable w.r.t. the logits shard
+    ratio: Tensor             # exp(logprobs - old_logprobs), detached
+    entropy: Tensor | None    # of the temperature-scaled distribution (when compute_entropy)
+    metrics: dict[str, Tensor]
+
+
+# --------------------------------------------------------------------------- backends
+
+def _extension_ops():
+    """torch.ops.klear when the C++ extension is built, else None."""
+    try:
+        from megatron_klear import _C  # noqa: F401  (registers torch.ops.klear)
+    except ImportError:
+        return None
+    return torch.ops.klear
+
+
+def _extension_has_cuda() -> bool:
+    if _extension_ops() is None:
+        return False
+    from megatron_klear import _C
+    return bool(getattr(_C, "with_cuda", False))
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Backends usable for tensors on ``device``, fastest first (``torch`` always last)."""
+    kind = torch.device(device).type
+    fused = {"cpu": _extension_ops() is not None, "cuda": _extension_has_cuda()}
+    return [b for b in ("cuda", "cpu") if b == kind and fused[b]] + ["torch"]
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Turn ``auto`` into a concrete backend and check that a requested one can run here."""
+    if backend == "auto":
+        return available_backends(device)[0]
+    if backend not in ("torch", "cpu", "cuda"):
+        raise ValueError(f"backend must be one of auto, torch, cpu, cuda (got {backend!r})")
+    kind = torch.device(device).type
+    if backend != "torch" and backend != kind:
+        raise ValueError(f"backend={backend!r} cannot run on {kind} tensors; use backend='auto'")
+    if backend not in available_backends(device):
+        raise RuntimeError(
+            f"backend={backend!r} needs the compiled extension megatron_klear._C"
+            f"{' with CUDA' if backend == 'cuda' else ''}; build it with "
+            "`python setup.py build_ext --inplace` (or `pip install --no-build-isolation -e .`),"
+            " or pass backend='torch'")
+    return backend
+
+
+# --------------------------------------------------------------------------- vocab shards
+
+@dataclass(frozen=True)
+class _Shard:
+    """Where this rank's logits columns sit in the global (padded) vocabulary."""
+
+    group: object | None
+    rank: int
+    size: int
+    local: int        # columns of this shard (V/TP, padding included)
+    start: int        # global index of column 0
+    vocab_size: int   # true global vocabulary (unpadded)
+
+    @property
+    def valid(self) -> int:
+        """How many leading columns of this shard are real (not padding)."""
+        return max(0, min(self.local, self.vocab_size - self.start))
+
+
+def _shard(logits: Tensor, tp_group, vocab_size: int | None) -> _Shard:
+    size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    rank = dist.get_rank(tp_group) if size > 1 else 0
+    local = logits.shape[-1]
+    padded = local * size
+    vocab_size = padded if vocab_size is None else int(vocab_size)
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {padded}] (V/TP={local} x TP="
+                         f"{size}); pass the tokenizer's true vocabulary size")
+    return _Shard(tp_group if size > 1 else None, rank, size, local, rank * local, vocab_size)
+
+
+def _check_targets(target_ids: Tensor, shard: _Shard, rows: int) -> Tensor:
+    targets = target_ids.reshape(-1).long()
+    if targets.numel() != rows:
+        raise ValueError(f"target_ids has {targets.numel()} elements but logits have {rows} rows;"
+                         " target_ids must have the logits' leading shape")
+    if targets.numel() and (targets.min() < 0 or targets.max() >= shard.vocab_size):
+        raise ValueError(f"target_ids must be global token ids in [0, {shard.vocab_size}); got "
+                         f"[{targets.min().item()}, {targets.max().item()}] (replace ignore-index "
+                         "targets by any valid id and mask them with loss_mask)")
+    return targets
+
+
+# --------------------------------------------------------------------------- torch reference
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather vocabulary shards; backward hands each rank its own slice (replicated loss)."""
+
+    @staticmethod
+    def forward(ctx, shard: Tensor, group, rank: int, size: int) -> Tensor:
+        parts = [torch.empty_like(shard) for _ in range(size)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        ctx.rank, ctx.local = rank, shard.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        begin = ctx.rank * ctx.local
+        return grad[..., begin:begin + ctx.local], None, None, None
+
+
+def _reference_logprobs(logits: Tensor, targets: Tensor, shard: _Shard, temperature: float
+                        ) -> tuple[Tensor, Tensor]:
+    """(logp, entropy) [T] from a full-vocabulary fp32 log_softmax (the specification)."""
+    x = logits.float()
+    if shard.group is not None:
+        x = _GatherVocab.apply(x, shard.group, shard.rank, shard.size)
+    x = x / temperature
+    padding = torch.arange(x.shape[-1], device=x.device) >= shard.vocab_size
+    x = x.masked_fill(padding, float("-inf"))
+    logp_all = torch.log_softmax(x, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    finite = logp_all.masked_fill(padding, 0.0)   # 0 * -inf would poison the gradient
+    return logp, -(finite.exp() * finite).masked_fill(padding, 0.0).sum(-1)
+
+
+# --------------------------------------------------------------------------- fused kernels
+
+def _merge_stats(stats: Tensor, group, size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """All-gather [T, 4] shard stats {m, d, s, x_target} and merge them into (lse, logp, H)."""
+    if group is not None:
+        parts = [torch.empty_like(stats) for _ in range(size)]
+        dist.all_gather(parts, stats, group=group)
+        stats = torch.stack(parts)
+    else:
+        stats = stats[None]
+    m, d, s, target = stats.unbind(-1)
+    big_m = m.max(dim=0).values
+    has = d > 0                              # shards with no real columns contribute nothing
+    w = torch.where(has, torch.exp(m - big_m), 0.0)
+    total_d = (w * d).sum(0)
+    total_s = torch.where(has, w * (s + d * (m - big_m)), 0.0).sum(0)
+    lse = big_m + torch.log(total_d)
+    entropy = torch.log(total_d) - total_s / total_d
+    return lse, target.sum(0) - lse, entropy
+
+
+class _FusedLogProbs(torch.autograd.Function):
+    """logits shard [T, V/TP] -> (logp [T], entropy [T]) with the extension's kernels."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target_local: Tensor, shard: _Shard, inv_temp: float,
+                inplace: bool) -> tuple[Tensor, Tensor]:
+        ops = _extension_ops()
+        stats = ops.logprob_stats(logits, target_local, shard.valid, inv_temp)
+        lse, logp, entropy = _merge_stats(stats, shard.group, shard.size)
+        ctx.save_for_backward(logits, target_local, lse, entropy)
+        ctx.valid, ctx.inv_temp, ctx.inplace = shard.valid, inv_temp, inplace
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        logits, target_local, lse, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        grad_ent = None if grad_entropy is None else grad_entropy.float().contiguous()
+        grad = _extension_ops().logprob_backward(
+            logits, target_local, lse, entropy, grad_logp.float().contiguous(), grad_ent,
+            ctx.valid, ctx.inv_temp, ctx.inplace)
+        return grad, None, None, None, None
+
+
+class _FusedTokenLoss(torch.autograd.Function):
+    """Per-token policy loss kernel: (logp, old, adv) -> (loss [T], ratio [T])."""
+
+    @staticmethod
+    def forward(ctx, logp: Tensor, old: Tensor, adv: Tensor, loss_type: str, hyper: tuple
+                ) -> tuple[Tensor, Tensor]:
+        loss, dlogp, ratio = _extension_ops().token_policy_loss(
+            logp.contiguous(), old.contiguous(), adv.contiguous(), _KERNEL_LOSS_TYPES[loss_type],
+            *hyper)
+        ctx.save_for_backward(dlogp)
+        ctx.mark_non_differentiable(ratio)
+        return loss, ratio
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_ratio):
+        (dlogp,) = ctx.saved_tensors
+        return grad_loss * dlogp, None, None, None, None
+
+
+# --------------------------------------------------------------------------- public API
+
+def _logprobs(logits: Tensor, target_ids: Tensor, *, tp_group, vocab_size: int | None,
+              temperature: float, backend: str, inplace: bool = False
+              ) -> tuple[Tensor, Tensor, str]:
+    """Flat (logp [T], entropy [T]) of the targets and the backend that computed them."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature})")
+    rows = logits.reshape(-1, logits.shape[-1])
+    shard = _shard(logits, tp_group, vocab_size)
+    targets = _check_targets(target_ids, shard, rows.shape[0])
+    backend = resolve_backend(backend, logits.device)
+    if backend == "torch":
+        return (*_reference_logprobs(rows, targets, shard, temperature), backend)
+    target_local = (targets - shard.start).contiguous()
+    logp, entropy = _FusedLogProbs.apply(rows.contiguous(), target_local, shard,
+                                         1.0 / temperature, inplace)
+    return logp, entropy, backend
+
+
+def _per_token_advantages(advantages: Tensor, lead: torch.Size) -> Tensor:
+    """Advantages per token [T]: given per token (lead shape) or per sequence ([B] for [B, S])."""
+    if advantages.shape == lead:
+        return advantages.reshape(-1).float()
+    if len(lead) == 2 and advantages.shape == lead[:1]:
+        return advantages.float()[:, None].expand(lead).reshape(-1)
+    raise ValueError(f"advantages must be shaped like the targets {tuple(lead)} (per token) or "
+                     f"[{lead[0]}] (per sequence); got {tuple(advantages.shape)}")
+
+
+def vocab_parallel_policy_loss(
+        logits: Tensor, target_ids: Tensor, old_logprobs: Tensor, advantages: Tensor,
+        loss_mask: Tensor, *, loss_type: str = "gppo", eps_low: float = 0.2,
+        eps_high: float = 0.28, beta1: float = 1.0, beta2: float = 1.0,
+        dual_clip: float | None = None, temperature: float = 1.0,
+        normalizer: float | Tensor | None = None, compute_entropy: bool = False, tp_group=None,
+        backend: str = "auto", vocab_size: int | None = None, inplace_backward: bool = False,
+) -> PolicyLossOutput:
+    """Token-level policy loss straight from vocab-sharded logits [T, V/TP] or [B, S, V/TP].
+
+    ``loss`` and ``logprobs`` are differentiable w.r.t. the logits shard (add e.g.
+    ``alpha * sft_loss(out.logprobs, positive_mask)`` to the loss). ``inplace_backward=True``
+    lets the fused backends write the gradient into the logits buffer (the logits must not be
+    needed after backward). See :func:`megatron_klear.algo.losses.policy_loss` for the losses.
+    """
+    check_loss_args(loss_type, dual_clip)
+    lead = logits.shape[:-1]
+    logp, entropy, used = _logprobs(logits, target_ids, tp_group=tp_group, vocab_size=vocab_size,
+                                    temperature=temperature, backend=backend,
+                                    inplace=inplace_backward)
+    old = old_logprobs.reshape(-1).float()
+    adv = _per_token_advantages(advantages, lead)
+    mask = loss_mask.reshape(-1)
+    if used != "torch" and loss_type in _KERNEL_LOSS_TYPES:
+        hyper = (eps_low, eps_high, beta1, beta2, -1.0 if dual_clip is None else dual_clip)
+        per_token, ratio = _FusedTokenLoss.apply(logp, old, adv, loss_type, hyper)
+    else:
+        per_token = per_token_policy_loss(loss_type, logp, old, adv, eps_low=eps_low,
+                                          eps_high=eps_high, beta1=beta1, beta2=beta2,
+                                          dual_clip=dual_clip)
+        ratio = torch.exp(logp - old).detach()
+    metrics = policy_metrics(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)
+    return PolicyLossOutput(aggregate(per_token, mask, normalizer), logp.view(lead),
+                            ratio.view(lead), entropy.view(lead) if compute_entropy else None,
+                            metrics)
+
+
+def vocab_parallel_logprobs(logits: Tensor, target_ids: Tensor, tp_group=None,
+                            compute_entropy: bool = False, *, temperature: float = 1.0,
+                            vocab_size: int | None = None, backend: str = "auto"
+                            ) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropy) of the targets, without gradient: old-logprob and eval passes."""
+    with torch.no_grad():
+        logp, entropy, _ = _logprobs(logits, target_ids, tp_group=tp_group,
+                                     vocab_size=vocab_size, temperature=temperature,
+                                     backend=backend)
+    lead = logits.shape[:-1]
+    return logp.view(lead), entropy.view(lead) if compute_entropy else None

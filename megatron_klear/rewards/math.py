@@ -1,0 +1,187 @@
+"""Binary math reward: 1.0 when the final answer is equivalent to the reference, else 0.0.
+
+The answer is the last ``\\boxed{}`` after ``</think>`` (or, without a box, the final answer
+math-verify finds in that text). Equivalence is math-verify's (integers with leading
+zeros, fractions, decimals, LaTeX, intervals, sets).
+
+math-verify's own timeouts use SIGALRM, which only works in a main thread, and sympy can
+hang on adversarial input. So verification runs in worker processes (``python -m
+megatron_klear.rewards.math``), each using math-verify's timeouts in its main thread; the
+parent enforces a hard wall deadline per call and kills and replaces a worker that
+overruns. Any failure scores 0.0; nothing here raises on garbage responses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import resource
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from megatron_klear.rewards.text import final_section, last_boxed
+
+DEFAULT_TIMEOUT_S = 10.0  # hard wall limit per call (parse gold + parse answer + verify)
+INNER_TIMEOUT_S = 3  # math-verify's own per-step timeout, inside the worker
+MAX_TAIL_CHARS = 4000  # without a box, only the end of the response can hold the answer
+WORKER_MEMORY_MB = 4096
+_SCI = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
+_ARITH = re.compile(r"[\d\s.+\-*/()]+")
+
+
+def _answer_text(response: str) -> str | None:
+    text = final_section(response)
+    if text is None:
+        return None
+    boxed = last_boxed(text)
+    return f"\\boxed{{{boxed}}}" if boxed is not None else text[-MAX_TAIL_CHARS:]
+
+
+def gold_text(answer: Any) -> str:
+    """The reference answer as text; numbers from the data (amc23's 27.0) are accepted."""
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise TypeError(f"math answer must be a string or a number, got {type(answer).__name__}")
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer).strip()
+
+
+def _gold_source(gold: str) -> str:
+    """The reference in the form math-verify parses best: plain arithmetic ("-1./3") as an
+    expression, scientific notation ("4.5e33") as LaTeX, anything else as inline LaTeX."""
+    if _SCI.fullmatch(gold):
+        mant, exp = re.split("[eE]", gold)
+        return f"${mant} \\times 10^{{{int(exp)}}}$"
+    if _ARITH.fullmatch(gold) or "$" in gold:
+        return gold
+    return f"${gold}$"
+
+
+def verify_in_process(response: str, answer: Any) -> float:
+    """The verification itself; must run in a main thread (math-verify uses SIGALRM)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    pred_text = _answer_text(response)
+    if not pred_text:
+        return 0.0
+    gold = parse(_gold_source(gold_text(answer)),
+                 extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                 parsing_timeout=INNER_TIMEOUT_S)
+    pred = parse(pred_text, extraction_config=[LatexExtractionConfig(boxed_match_priority=0),
+                                               ExprExtractionConfig()],
+                 parsing_timeout=INNER_TIMEOUT_S)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=INNER_TIMEOUT_S) else 0.0
+
+
+def _serve() -> None:
+    """Worker loop: one JSON [response, answer] per stdin line -> one score per stdout line."""
+    import logging
+
+    logging.disable(logging.CRITICAL)  # math-verify logs every parse failure
+    limit = WORKER_MEMORY_MB << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    out = sys.stdout
+    sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
+    for line in sys.stdin:
+        try:
+            response, answer = json.loads(line)
+            score = verify_in_process(response, answer)
+        except Exception:  # noqa: BLE001 - garbage in, 0.0 out
+            score = 0.0
+        out.write(f"{score}\n")
+        out.flush()
+
+
+class _Worker:
+    def __init__(self) -> None:
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [pkg_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_klear.rewards.math"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # EOF: the worker died
+
+    def score(self, response: str, answer: str, timeout_s: float) -> float | None:
+        """The score, or None when the worker overran or died (it is then unusable)."""
+        try:
+            self.proc.stdin.write(json.dumps([response, answer]) + "\n")
+            self.proc.stdin.flush()
+            line = self.lines.get(timeout=timeout_s)
+        except (OSError, queue.Empty):
+            return None
+        return float(line) if line else None
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class MathVerifierPool:
+    """At most ``max_workers`` verifier processes, started on demand and reused."""
+
+    def __init__(self, max_workers: int | None = None) -> None:
+        self.max_workers = max_workers or max(1, len(os.sched_getaffinity(0)))
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._slots = threading.Semaphore(self.max_workers)
+
+    def score(self, response: str, answer: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
+        """math_reward through a worker with a hard deadline; 0.0 on any failure."""
+        try:
+            gold = gold_text(answer)
+        except TypeError:
+            return 0.0
+        if not isinstance(response, str):
+            return 0.0
+        with self._slots:
+            try:
+                worker = self._idle.get_nowait()
+            except queue.Empty:
+                worker = _Worker()
+            result = worker.score(response, gold, timeout_s)
+            if result is None:
+                worker.kill()
+                return 0.0
+            self._idle.put(worker)
+            return result
+
+    def close(self) -> None:
+        """Stop all idle workers."""
+        while not self._idle.empty():
+            self._idle.get_nowait().kill()
+
+
+_shared: MathVerifierPool | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_verifier() -> MathVerifierPool:
+    """The process-wide verifier pool (one worker per core), created on first use."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = MathVerifierPool()
+        return _shared
+
+
+def math_reward(response: str, answer: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
+    """1.0 if the response's final answer is equivalent to ``answer``, else 0.0.
+
+    Safe from any thread; never hangs longer than ``timeout_s`` and never raises."""
+    return shared_verifier().score(response, answer, timeout_s)
+
+
+if __name__ == "__main__":
+    _serve()

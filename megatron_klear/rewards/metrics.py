@@ -1,0 +1,15 @@
+"""Evaluation metrics over sampled responses."""
+
+from __future__ import annotations
+
+import math
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimate from ``n`` samples of which ``c`` are correct (Chen et al.,
+    2021): 1 - C(n - c, k) / C(n, k), computed as a stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))

@@ -1,0 +1,313 @@
+"""GPPO RL trainer (``klear-rl``): the Klear-Reasoner recipe on megatron-core.
+
+One RL step: sample prompts -> n responses each through the rollout servers -> rewards ->
+group advantages -> drop zero-advantage groups (refill) -> old log-probs with the Megatron
+model -> one optimizer step per mini-batch on GPPO + alpha * SFT(fully correct responses),
+token-level mean over the mini-batch -> weight sync to the rollout servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_klear.algo.losses import sft_loss
+from megatron_klear.config import ConfigError, TrainConfig, opt, parse_config, to_dict
+from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
+from megatron_klear.train.engine import Engine, broadcast_from_last_stage, build_engine, \
+    restore_or_init
+from megatron_klear.train.metrics import MetricsLogger
+from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
+    collect_batch
+
+
+@dataclass
+class RLConfig(TrainConfig):
+    """GPPO RL settings (plus every shared trainer flag). Defaults follow Klear-Reasoner."""
+
+    prompt_data: str | None = opt(None, "RL prompts: JSONL or Parquet")
+    prompt_key: str = opt("prompt", "prompt field")
+    answer_key: str = opt("answer", "label field (answer for math, tests for code)")
+    answer_format: str | None = opt(None, "label extraction, e.g. gsm8k ('#### N')")
+    reward: str = opt("math", "reward name (math, code) or import path pkg.mod:fn")
+    rollout_batch_size: int = opt(128, "prompts per RL step")
+    mini_batch_size: int = opt(16, "prompts per optimizer step (16 math, 32 code)")
+    n_samples_per_prompt: int = opt(8, "responses per prompt (group size)")
+    rollout_max_response_len: int = opt(256, "max new tokens per response")
+    rollout_temperature: float = opt(1.0, "sampling temperature")
+    rollout_top_p: float = opt(1.0, "nucleus sampling")
+    rollout_urls: list[str] | None = opt(None, "existing SGLang/embedded servers (else embedded)")
+    rollout_num_servers: int = opt(1, "embedded servers to start when no --rollout-urls")
+    loss_type: str = opt("gppo", "policy loss", choices=("gppo", "ppo", "cispo"))
+    eps_clip_low: float = opt(0.2, "lower clip epsilon")
+    eps_clip_high: float = opt(0.28, "upper clip epsilon (Clip-Higher)")
+    gppo_beta1: float = opt(1.0, "GPPO gradient weight of the low clip")
+    gppo_beta2: float = opt(1.0, "GPPO gradient weight of the high clip")
+    dual_clip: float | None = opt(None, "dual-clip bound c for negative advantages")
+    sft_alpha: float = opt(0.1, "weight of the SFT loss on fully correct responses")
+    advantage_std_norm: bool = opt(True, "divide group advantages by the group std")
+    dynamic_sampling: bool = opt(True, "drop zero-advantage groups and refill the batch")
+    max_sampling_rounds: int = opt(4, "rollout rounds allowed to refill a batch")
+    tis_cap: float | None = opt(None, "truncated importance sampling cap (train/rollout ratio)")
+    weight_sync_bucket_mb: int = opt(512, "weight-sync bucket size (MiB)")
+    probe_weights: bool = opt(True, "after each sync, compare server and trainer log-probs")
+    eval_data: str | None = opt(None, "benchmark JSONL for periodic eval")
+    eval_interval: int = opt(0, "evaluate every K steps (0: off)")
+    eval_k: int = opt(4, "samples per eval problem")
+    export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
+
+    def validate(self) -> None:  # noqa: D102
+        super().validate()
+        for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
+            if not getattr(self, name):
+                raise ConfigError(f"{flag} is required")
+        if self.rollout_batch_size % self.mini_batch_size:
+            raise ConfigError(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple"
+                              f" of --mini-batch-size {self.mini_batch_size}")
+        if self.n_samples_per_prompt < 2:
+            raise ConfigError("--n-samples-per-prompt must be >= 2 (group advantages)")
+        if not 0 < self.eps_clip_low < 1 or self.eps_clip_high <= 0:
+            raise ConfigError("--eps-clip-low must be in (0, 1) and --eps-clip-high > 0")
+
+
+def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_id: int,
+                     seq_len: int) -> list[dict]:
+    """Micro-batches of whole sequences (prompt + response), right-padded to ``seq_len``.
+
+    labels[t] is token t+1; loss_mask marks response tokens; per-token advantages and
+    rollout log-probs are aligned with labels.
+    """
+    out = []
+    for start in range(0, len(rows), micro):
+        chunk = rows[start:start + micro]
+        b = len(chunk)
+        d = {k: torch.zeros(b, seq_len) for k in ("loss_mask", "advantages", "rollout_logprobs",
+                                                   "positive")}
+        tokens = torch.full((b, seq_len + 1), pad_id, dtype=torch.long)
+        for r, i in enumerate(chunk):
+            p, resp = batch.prompt_ids[i], batch.response_ids[i]
+            seq = (p + resp)[: seq_len + 1]
+            tokens[r, :len(seq)] = torch.tensor(seq)
+            lo, hi = len(p) - 1, min(len(p) - 1 + len(resp), seq_len)
+            d["loss_mask"][r, lo:hi] = 1.0
+            d["advantages"][r, lo:hi] = batch.advantages[i]
+            d["positive"][r, lo:hi] = float(batch.rewards[i] >= 1.0)
+            d["rollout_logprobs"][r, lo:hi] = torch.tensor(batch.rollout_logprobs[i][:hi - lo])
+        d.update(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                 position_ids=torch.arange(seq_len).expand(b, seq_len), rows=torch.tensor(chunk))
+        out.append(d)
+    return out
+
+
+def dp_rows(rows: Sequence[int]) -> list[int]:
+    """This data-parallel rank's contiguous share of ``rows``."""
+    dp = parallel_state.get_data_parallel_world_size()
+    r = parallel_state.get_data_parallel_rank()
+    per = len(rows) // dp
+    return list(rows[r * per:(r + 1) * per])
+
+
+def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: float) -> None:
+    """Fill ``old_logprobs`` and ``entropy`` of each micro-batch with the current policy."""
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def fwd(logits, batch):
+        lp, ent = vocab_parallel_logprobs(logits, batch["labels"], tp_group=tp_group,
+                                          compute_entropy=True, temperature=temperature,
+                                          vocab_size=vocab_size)
+        batch["old_logprobs"], batch["entropy"] = lp.float(), ent.float()
+        return torch.zeros(()), {}
+
+    engine.forward_only(mbs, fwd)
+
+
+def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: float):
+    """GPPO (or PPO/CISPO) + alpha * SFT, each a token-level mean over the mini-batch."""
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def loss_fn(logits, b):
+        mask = b["loss_mask"]
+        old = b["old_logprobs"]
+        adv = b["advantages"]
+        if cfg.tis_cap is not None:  # truncated IS: correct for the rollout/trainer mismatch
+            adv = adv * torch.exp(old - b["rollout_logprobs"]).clamp(max=cfg.tis_cap) * mask
+        out = vocab_parallel_policy_loss(
+            logits, b["labels"], old, adv, mask, loss_type=cfg.loss_type,
+            eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, beta1=cfg.gppo_beta1,
+            beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip, temperature=cfg.rollout_temperature,
+            normalizer=max(n_tokens, 1.0), compute_entropy=False, tp_group=tp_group,
+            vocab_size=vocab_size)
+        sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
+        loss = out.loss + cfg.sft_alpha * sft
+        tokens = mask.sum()
+        metrics = {f"train/{k}": v.detach() * tokens for k, v in out.metrics.items()}
+        mismatch = ((old - b["rollout_logprobs"]).abs() * mask).sum()
+        metrics.update({"train/policy_loss": out.loss.detach(), "train/sft_loss": sft.detach(),
+                        "train/loss": loss.detach(), "train/tokens": tokens,
+                        "train/entropy": (b["entropy"] * mask).sum(),
+                        "train/mismatch_abs_logprob": mismatch})
+        return loss, metrics
+
+    return loss_fn
+
+
+def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: int) -> dict:
+    """Old log-probs, then one optimizer step per mini-batch; returns averaged metrics."""
+    vocab = engine.arch.vocab_size
+    seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
+    per_mini = cfg.mini_batch_size * batch.group_size
+    minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
+    mbs_per_mini = [pad_microbatches(batch, dp_rows(rows), cfg.micro_batch_size, pad_id, seq_len)
+                    for rows in minis]
+    t0 = time.time()
+    old_logprobs(engine, [mb for mbs in mbs_per_mini for mb in mbs], vocab,
+                 cfg.rollout_temperature)
+    t_old = time.time() - t0
+    totals: dict[str, float] = {}
+    t0 = time.time()
+    for rows, mbs in zip(minis, mbs_per_mini):
+        n_tok = sum(len(batch.response_ids[i]) for i in rows)
+        n_pos = sum(len(batch.response_ids[i]) for i in rows if batch.rewards[i] >= 1.0)
+        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, n_tok, n_pos))
+        for k, v in m.items():
+            totals[k] = totals.get(k, 0.0) + v
+    t_train = time.time() - t0
+    steps = len(minis)
+    tokens = totals.pop("train/tokens", 0.0)
+    out = {}
+    for k, v in totals.items():  # token-weighted metrics -> means; per-step ones -> averages
+        token_weighted = k.startswith("train/") and k not in (
+            "train/policy_loss", "train/sft_loss", "train/loss")
+        out[k] = v / max(tokens, 1.0) if token_weighted else v / steps
+    n_train = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    out.update({"time/old_logprob_s": t_old, "time/train_s": t_train,
+                "train/tokens_per_s": n_train / max(t_train, 1e-9), "train/optimizer_steps": steps})
+    return out
+
+
+@contextlib.contextmanager
+def rollout_servers(cfg: RLConfig):
+    """The rollout servers of the run: given URLs, or embedded servers started here (rank 0)."""
+    from megatron_klear.rollout.launcher import connect, launch_embedded_servers
+
+    if cfg.rollout_urls:
+        yield connect(cfg.rollout_urls)
+    elif torch.distributed.get_rank() == 0:
+        with launch_embedded_servers(cfg.hf_checkpoint, cfg.rollout_num_servers,
+                                     seed=cfg.seed) as servers:
+            urls = broadcast_batch(servers.urls)
+            yield servers
+    else:
+        urls = broadcast_batch(None)
+        yield connect(urls)
+
+
+def train(cfg: RLConfig) -> list[dict]:
+    """Run GPPO RL; returns this run's per-step metrics."""
+    from transformers import AutoTokenizer
+
+    from megatron_klear.data.prompts import load_prompt_dataset
+    from megatron_klear.rollout.client import RolloutClient, SamplingParams
+    from megatron_klear.rollout.weight_sync import WeightSync
+
+    arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
+                                  answer_key=cfg.answer_key, answer_format=cfg.answer_format)
+    engine = build_engine(cfg, arch)
+    info = restore_or_init(engine)
+    step, consumed = (info.iteration, info.extra["consumed_prompts"]) if info else (0, 0)
+    stream = PromptStream(prompts, cfg.seed, consumed)
+    params = SamplingParams(n=cfg.n_samples_per_prompt, max_new_tokens=cfg.rollout_max_response_len,
+                            temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
+                            stop_token_ids=[tokenizer.eos_token_id])
+    log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
+                        desc="rl", progress=cfg.progress_bar, log_interval=cfg.log_interval)
+    history: list[dict] = []
+    with rollout_servers(cfg) as servers:
+        client = RolloutClient(servers.urls)
+        sync = WeightSync(servers.urls, engine.model, arch,
+                          bucket_bytes=cfg.weight_sync_bucket_mb * 2**20)
+        sync.connect()
+        sync.sync(weight_version=str(step))  # servers start from the trainer's weights
+        while step < cfg.train_iters:
+            metrics = rl_step(engine, cfg, client, tokenizer, stream, params)
+            step += 1
+            metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
+            metrics["data/consumed_prompts"] = stream.consumed
+            log.log(step, metrics)
+            history.append(metrics)
+            if cfg.save and (step == cfg.train_iters or
+                             (cfg.save_interval and step % cfg.save_interval == 0)):
+                save(engine, step, stream.consumed)
+        sync.close()
+    log.close()
+    if cfg.export_hf:
+        from megatron_klear.checkpoint.convert import export_model_to_hf
+
+        export_model_to_hf(engine.model, arch, cfg.export_hf, tokenizer_dir=cfg.hf_checkpoint)
+    return history
+
+
+def rl_step(engine: Engine, cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStream,
+            params: Any) -> dict:
+    """Collect a batch on rank 0, share it, and train on it."""
+    t0 = time.time()
+    batch = None
+    if torch.distributed.get_rank() == 0:
+        batch = collect_batch(client, tokenizer, stream, cfg.rollout_batch_size, params,
+                              cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
+                              max_rounds=cfg.max_sampling_rounds,
+                              normalize_std=cfg.advantage_std_norm)
+    batch, stream.consumed = broadcast_batch((batch, stream.consumed))
+    t_rollout = time.time() - t0
+    metrics = dict(batch.stats)
+    metrics["time/rollout_s"] = t_rollout
+    if batch.groups() == 0:  # every group was uninformative: nothing to learn this step
+        return metrics
+    usable = batch.groups() // cfg.mini_batch_size * cfg.mini_batch_size or batch.groups()
+    batch = batch.select_groups(range(usable))
+    metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id))
+    return metrics
+
+
+def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> dict:
+    """Push new weights to the servers and, optionally, check them with a log-prob probe."""
+    from megatron_klear.rollout.weight_sync import trainer_sequence_logprobs
+
+    metrics = dict(sync.sync(weight_version=version))
+    if cfg.probe_weights:
+        probe_ids = list(range(1, min(engine.arch.vocab_size, 33)))
+        trainer_lp = trainer_sequence_logprobs(engine.model[0], engine.arch, probe_ids)
+        diff = sync.probe(probe_ids, trainer_lp) if trainer_lp is not None else None
+        metrics["weight_sync/probe_max_abs_diff"] = broadcast_from_last_stage(diff)
+    return metrics
+
+
+def save(engine: Engine, step: int, consumed: int) -> None:
+    """Checkpoint the full training state with the prompt-stream position."""
+    from megatron_klear.checkpoint.state import save_checkpoint
+
+    cfg = engine.cfg
+    save_checkpoint(cfg.save, step, engine.model, optimizer=engine.optimizer,
+                    scheduler=engine.scheduler,
+                    extra={"consumed_prompts": consumed, "config": to_dict(cfg)},
+                    hf_config=engine.arch.hf_config, keep_last=cfg.keep_last)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``klear-rl``: parse flags, run RL, exit non-zero with a clear message on bad input."""
+    from megatron_klear.cli import run_main
+
+    run_main(lambda: train(parse_config(RLConfig, argv, prog="klear-rl")))
+
+
+if __name__ == "__main__":
+    main()

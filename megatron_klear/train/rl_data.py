@@ -1,0 +1,168 @@
+"""One RL step's data: prompts -> n responses each -> rewards -> group advantages.
+
+Zero-advantage groups (all n responses scored the same) carry no policy gradient; they
+are dropped and the batch is refilled by sampling more prompts (DAPO-style dynamic
+sampling). Only global rank 0 talks to the rollout servers; the finished batch is
+broadcast so that every rank builds identical micro-batches.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_klear.algo.advantages import group_advantages, zero_advantage_groups
+from megatron_klear.data.prompts import PromptSample, render_prompt
+from megatron_klear.rewards import score_batch
+from megatron_klear.rollout.client import RolloutClient, SamplingParams
+
+
+@dataclass
+class RolloutBatch:
+    """Responses grouped by prompt: sample i belongs to prompt ``i // group_size``."""
+
+    group_size: int
+    prompt_ids: list[list[int]] = field(default_factory=list)     # one per sample
+    response_ids: list[list[int]] = field(default_factory=list)
+    rollout_logprobs: list[list[float]] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    prompt_index: list[int] = field(default_factory=list)         # dataset index per sample
+    advantages: list[float] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def groups(self) -> int:
+        """Number of prompt groups."""
+        return len(self) // self.group_size
+
+    def select_groups(self, keep: Sequence[int]) -> "RolloutBatch":
+        """A batch of the given groups only (stats are kept)."""
+        out = RolloutBatch(self.group_size, stats=dict(self.stats))
+        for g in keep:
+            for i in range(g * self.group_size, (g + 1) * self.group_size):
+                for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards",
+                             "truncated", "prompt_index", "advantages"):
+                    getattr(out, name).append(getattr(self, name)[i])
+        return out
+
+    def extend(self, other: "RolloutBatch") -> None:
+        """Append another batch's samples."""
+        for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "truncated",
+                     "prompt_index", "advantages"):
+            getattr(self, name).extend(getattr(other, name))
+
+
+class PromptStream:
+    """Seeded epochs over a prompt dataset; the position (prompts consumed) is resumable."""
+
+    def __init__(self, prompts: Sequence[PromptSample], seed: int, consumed: int = 0):
+        self.prompts, self.seed, self.consumed = prompts, seed, consumed
+
+    def take(self, count: int) -> list[tuple[int, PromptSample]]:
+        """The next ``count`` prompts with their stream positions."""
+        out = []
+        for _ in range(count):
+            epoch, pos = divmod(self.consumed, len(self.prompts))
+            order = list(range(len(self.prompts)))
+            random.Random(self.seed * 7919 + epoch).shuffle(order)
+            out.append((self.consumed, self.prompts[order[pos]]))
+            self.consumed += 1
+        return out
+
+    def sampling_seed(self, position: int) -> int:
+        """The rollout sampling seed of the prompt drawn at ``position`` (resumable)."""
+        return (self.seed * 1_000_003 + position) % 2**31
+
+
+def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[PromptSample],
+                       params: SamplingParams, reward: str, *, normalize_std: bool = True,
+                       reward_workers: int | None = None,
+                       seeds: list[int] | None = None) -> RolloutBatch:
+    """Sample ``params.n`` responses per prompt, score them and compute group advantages."""
+    prompt_ids = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)
+                  ["input_ids"] for p in prompts]
+    t0 = time.time()
+    gens = client.generate(prompt_ids, params, seeds)
+    t_gen = time.time() - t0
+    batch = RolloutBatch(params.n)
+    texts, labels = [], []
+    for p, ids, group in zip(prompts, prompt_ids, gens):
+        for g in group:
+            batch.prompt_ids.append(ids)
+            batch.response_ids.append(list(g.output_ids))
+            batch.rollout_logprobs.append(list(g.logprobs))
+            batch.truncated.append(g.finish_reason == "length")
+            batch.prompt_index.append(p.index)
+            texts.append(g.text)
+            labels.append(p.label)
+    t0 = time.time()
+    batch.rewards = [float(r) for r in score_batch(reward, texts, labels, num_workers=reward_workers)]
+    batch.advantages = group_advantages(torch.tensor(batch.rewards, dtype=torch.float64),
+                                        params.n, normalize_std=normalize_std).tolist()
+    n_tokens = sum(len(r) for r in batch.response_ids)
+    batch.stats = {"time/generate_s": t_gen, "time/reward_s": time.time() - t0,
+                   "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)}
+    return batch
+
+
+def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, num_prompts: int,
+                  params: SamplingParams, reward: str, *, dynamic_sampling: bool = True,
+                  max_rounds: int = 4, normalize_std: bool = True) -> RolloutBatch:
+    """A batch of ``num_prompts`` groups, refilled past zero-advantage groups when asked.
+
+    With dynamic sampling, rounds of ``num_prompts`` more prompts are drawn until enough
+    informative groups exist or ``max_rounds`` is reached (then the batch may be smaller).
+    """
+    out = RolloutBatch(params.n)
+    drawn = zero = 0
+    all_rewards: list[float] = []
+    lengths: list[int] = []
+    truncated: list[bool] = []
+    for _ in range(max_rounds if dynamic_sampling else 1):
+        need = num_prompts - out.groups()
+        drawn_now = stream.take(num_prompts if dynamic_sampling else need)
+        got = generate_and_score(client, tokenizer, [p for _, p in drawn_now], params, reward,
+                                 normalize_std=normalize_std,
+                                 seeds=[stream.sampling_seed(pos) for pos, _ in drawn_now])
+        for k, v in got.stats.items():
+            out.stats[k] = out.stats.get(k, 0.0) + v
+        drawn += got.groups()
+        all_rewards += got.rewards
+        lengths += [len(r) for r in got.response_ids]
+        truncated += got.truncated
+        if dynamic_sampling:
+            flat = zero_advantage_groups(torch.tensor(got.rewards), params.n)
+            zero += int(flat.sum())
+            keep = [g for g in range(got.groups()) if not flat[g]][:need]
+            got = got.select_groups(keep)
+        out.extend(got)
+        if out.groups() >= num_prompts:
+            break
+    rounds_gen = out.stats.get("time/generate_s", 0.0)
+    out.stats.update({
+        "rollout/reward_mean": sum(all_rewards) / max(len(all_rewards), 1),
+        "rollout/accuracy": sum(r >= 1.0 for r in all_rewards) / max(len(all_rewards), 1),
+        "rollout/response_len": sum(lengths) / max(len(lengths), 1),
+        "rollout/truncation_rate": sum(truncated) / max(len(truncated), 1),
+        "rollout/zero_adv_frac": zero / max(drawn, 1),
+        "rollout/prompts_drawn": float(drawn),
+        "rollout/groups_kept": float(out.groups()),
+        "rollout/tokens_per_s": sum(lengths) / max(rounds_gen, 1e-9),
+    })
+    return out
+
+
+def broadcast_batch(batch: RolloutBatch | None) -> RolloutBatch:
+    """Share rank 0's batch with every rank."""
+    holder = [batch]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(holder, src=0)
+    return holder[0]

@@ -1,0 +1,170 @@
+"""Long-CoT SFT trainer (``klear-sft``): response-only loss, packing, any TP/PP, exact resume.
+
+Every rank reads the whole dataset and derives the same epoch order from the seed, so the
+data position of a run is one number (bins consumed), saved with each checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_klear.config import ConfigError, TrainConfig, opt, parse_config, to_dict
+from megatron_klear.data.packing import build_packed_batch, pack_greedy
+from megatron_klear.data.sft import SFTSample, load_sft_dataset
+from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+from megatron_klear.train.engine import Engine, build_engine, restore_or_init
+from megatron_klear.train.metrics import MetricsLogger
+from megatron_klear.train.token_loss import token_nll
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    """SFT settings (plus every shared trainer flag)."""
+
+    data_path: str | None = opt(None, "SFT data: JSONL or Parquet of prompt/response or messages")
+    prompt_key: str = opt("prompt", "prompt field of a record")
+    response_key: str = opt("response", "response field of a record")
+    messages_key: str = opt("messages", "chat messages field of a record (used when present)")
+    overflow: str = opt("truncate", "sequences longer than --seq-length",
+                        choices=("truncate", "drop"))
+    pack: bool = opt(True, "pack several samples per sequence (--no-pack: one per row)")
+    export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
+
+    def validate(self) -> None:  # noqa: D102
+        super().validate()
+        if not self.data_path:
+            raise ConfigError("--data-path is required (JSONL or Parquet SFT data)")
+        if not self.hf_checkpoint:
+            raise ConfigError("--hf-checkpoint is required (architecture and tokenizer)")
+
+
+class BinSchedule:
+    """The deterministic stream of packed bins: epoch e is a seeded shuffle, then packing."""
+
+    def __init__(self, samples: Sequence[SFTSample], seq_length: int, seed: int, pack: bool):
+        self.samples, self.seq_length, self.seed, self.pack = samples, seq_length, seed, pack
+        self._epoch_bins: dict[int, list[list[int]]] = {}
+
+    def epoch(self, e: int) -> list[list[int]]:
+        """Bins of epoch ``e`` as lists of sample indices."""
+        if e not in self._epoch_bins:
+            order = list(range(len(self.samples)))
+            random.Random(self.seed * 1000003 + e).shuffle(order)
+            if self.pack:
+                lengths = [len(self.samples[i].input_ids) for i in order]
+                bins = [[order[j] for j in b] for b in pack_greedy(lengths, self.seq_length)]
+            else:
+                bins = [[i] for i in order]
+            self._epoch_bins = {e: bins}  # keep one epoch in memory
+        return self._epoch_bins[e]
+
+    def take(self, consumed: int, count: int) -> Iterator[tuple[int, list[int]]]:
+        """``count`` bins starting at global position ``consumed``: (epoch, bin) pairs."""
+        e, pos = 0, consumed
+        while pos >= len(self.epoch(e)):
+            pos -= len(self.epoch(e))
+            e += 1
+        for _ in range(count):
+            bins = self.epoch(e)
+            yield e, bins[pos]
+            pos += 1
+            if pos == len(bins):
+                e, pos = e + 1, 0
+
+
+def make_microbatches(samples: Sequence[SFTSample], bins: Sequence[list[int]], cfg: SFTConfig
+                      ) -> tuple[list[dict], float]:
+    """This DP rank's micro-batches of a global batch, and the global loss-token count."""
+    pairs = [(s.input_ids, s.loss_mask) for s in samples]
+    total = float(sum(sum(samples[i].loss_mask[1:]) for b in bins for i in b))
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    per = len(bins) // dp
+    mine = bins[rank * per:(rank + 1) * per]
+    mbs = [build_packed_batch(pairs, mine[i:i + cfg.micro_batch_size], cfg.seq_length)
+           for i in range(0, len(mine), cfg.micro_batch_size)]
+    return mbs, total
+
+
+def sft_loss_fn(vocab_size: int, normalizer: float):
+    """Token-level NLL over response tokens, normalised by the global batch's token count."""
+
+    def loss_fn(logits: torch.Tensor, batch: dict):
+        nll = token_nll(logits, batch["labels"], vocab_size) * batch["loss_mask"]
+        loss = nll.sum() / max(normalizer, 1.0)
+        return loss, {"loss": loss.detach(), "tokens": batch["loss_mask"].sum()}
+
+    return loss_fn
+
+
+def train(cfg: SFTConfig) -> list[dict]:
+    """Run SFT; returns the per-step metrics of this run (rank 0 writes them to disk too)."""
+    from transformers import AutoTokenizer
+
+    arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    samples, stats = load_sft_dataset(
+        cfg.data_path, tokenizer, max_length=cfg.seq_length + 1, prompt_key=cfg.prompt_key,
+        response_key=cfg.response_key, messages_key=cfg.messages_key, overflow=cfg.overflow)
+    engine = build_engine(cfg, arch)
+    info = restore_or_init(engine)
+    step, consumed = (info.iteration, info.extra["consumed_bins"]) if info else (0, 0)
+    schedule = BinSchedule(samples, cfg.seq_length, cfg.seed, cfg.pack)
+    log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
+                        desc="sft", progress=cfg.progress_bar, log_interval=cfg.log_interval)
+    if step == 0 and log.enabled:
+        print(f"[sft] {stats.loaded} samples ({stats.truncated} truncated, {stats.dropped} "
+              f"dropped, longer than --seq-length {cfg.seq_length})", file=sys.stderr)
+    history = []
+    while step < cfg.train_iters:
+        taken = list(schedule.take(consumed, cfg.global_batch_size))
+        mbs, total = make_microbatches(samples, [b for _, b in taken], cfg)
+        metrics = engine.train_step(mbs, sft_loss_fn(arch.vocab_size, total))
+        step, consumed = step + 1, consumed + len(taken)
+        metrics.update(epoch=taken[-1][0], consumed_bins=consumed,
+                       samples=[i for _, b in taken for i in b])
+        log.log(step, metrics)
+        history.append(metrics)
+        if cfg.save and (step == cfg.train_iters or
+                         (cfg.save_interval and step % cfg.save_interval == 0)):
+            save(engine, step, consumed)
+    log.close()
+    if cfg.export_hf:
+        export_hf(engine, cfg.export_hf, cfg.hf_checkpoint)
+    return history
+
+
+def save(engine: Engine, step: int, consumed: int) -> None:
+    """Checkpoint the full training state with the data position."""
+    from megatron_klear.checkpoint.state import save_checkpoint
+
+    cfg = engine.cfg
+    save_checkpoint(cfg.save, step, engine.model, optimizer=engine.optimizer,
+                    scheduler=engine.scheduler, extra={"consumed_bins": consumed,
+                                                       "config": to_dict(cfg)},
+                    hf_config=engine.arch.hf_config, keep_last=cfg.keep_last)
+
+
+def export_hf(engine: Engine, out_dir: str, tokenizer_dir: str | None) -> None:
+    """Write the model in Hugging Face format through the conversion bridge."""
+    from megatron_klear.checkpoint.convert import export_model_to_hf
+
+    export_model_to_hf(engine.model, engine.arch, out_dir, tokenizer_dir=tokenizer_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``klear-sft``: parse flags, run SFT, exit non-zero with a clear message on bad input."""
+    from megatron_klear.cli import run_main
+
+    run_main(lambda: train(parse_config(SFTConfig, argv, prog="klear-sft")))
+
+
+if __name__ == "__main__":
+    main()

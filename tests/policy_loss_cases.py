@@ -1,0 +1,54 @@
+"""Shared inputs and comparisons for the fused policy-loss op tests (TP=1, TP=2, aggregation).
+
+``make_inputs`` builds one deterministic problem (full-vocabulary logits, targets, behaviour
+log-probs, advantages, mask); ``run_op`` runs the op on (a shard of) it and returns the loss,
+per-token outputs and the gradient of ``loss + w1 . logprobs + w2 . entropy`` w.r.t. the logits
+shard, so that every differentiable output's backward path is exercised.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_klear.ops import vocab_parallel_policy_loss
+
+# Backends checked against the torch reference on this machine (cuda joins on a GPU machine).
+FUSED = [("cpu", "cpu")] + ([("cuda", "cuda")] if torch.cuda.is_available() else [])
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-3)}
+
+
+def make_inputs(tokens: int, vocab: int, *, vocab_size: int | None = None, seed: int = 0,
+                empty_mask: bool = False) -> dict:
+    """Random logits [tokens, vocab] (scale 3: peaked rows) and matching per-token inputs."""
+    g = torch.Generator().manual_seed(seed)
+    valid = vocab if vocab_size is None else vocab_size
+    mask = torch.rand(tokens, generator=g) > 0.25
+    return dict(logits=torch.randn(tokens, vocab, generator=g) * 3,
+                targets=torch.randint(0, valid, (tokens,), generator=g),
+                old=-torch.rand(tokens, generator=g) * 6 - 1,
+                adv=torch.randn(tokens, generator=g),
+                mask=torch.zeros_like(mask) if empty_mask else mask,
+                w_logp=torch.randn(tokens, generator=g) * 0.1,
+                w_ent=torch.randn(tokens, generator=g) * 0.1)
+
+
+def run_op(inp: dict, logits: torch.Tensor, *, backend: str, device: str = "cpu", **kw) -> dict:
+    """Run the op on ``logits`` (a shard or the full row) and collect outputs + gradient."""
+    x = logits.detach().to(device).clone().requires_grad_(True)
+    dev = {k: v.to(device) for k, v in inp.items() if k != "logits"}
+    out = vocab_parallel_policy_loss(x, dev["targets"], dev["old"], dev["adv"], dev["mask"],
+                                     backend=backend, compute_entropy=True, **kw)
+    total = out.loss + (dev["w_logp"] * out.logprobs).sum() + (dev["w_ent"] * out.entropy).sum()
+    total.backward()
+    res = dict(loss=out.loss, logprobs=out.logprobs, entropy=out.entropy, ratio=out.ratio,
+               grad=x.grad, **{f"m_{k}": v for k, v in out.metrics.items()})
+    return {k: v.detach().float().cpu() for k, v in res.items()}
+
+
+def assert_match(got: dict, ref: dict, dtype: torch.dtype, what: str) -> None:
+    """Every output of ``got`` matches ``ref`` to the tolerance of ``dtype``."""
+    assert got.keys() == ref.keys()
+    for key in ref:
+        assert torch.isfinite(got[key]).all(), f"{what}: {key} is not finite"
+        torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{what}: "
+                                   f"{key}: {m}")

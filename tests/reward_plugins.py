@@ -1,0 +1,11 @@
+"""A user reward loaded by import path in test_reward_registry.py."""
+
+
+def length_reward(response: str, label: int) -> float:
+    """1.0 when the response has exactly ``label`` characters."""
+    return 1.0 if len(response) == label else 0.0
+
+
+def crashing_reward(response: str, label: object) -> float:
+    """Raises on every call: score_batch must turn that into 0.0."""
+    raise RuntimeError("boom")

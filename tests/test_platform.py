@@ -1,0 +1,55 @@
+"""The CPU emulation layer: one test per redirected CUDA call (run in a fresh process)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHECKS = {
+    "factory_device": "assert torch.zeros(2, device='cuda').device.type == 'cpu'",
+    "factory_device_obj": "assert torch.empty(3, device=torch.device('cuda', 0)).device.type == 'cpu'",
+    "tensor_cuda": "t = torch.ones(2); assert t.cuda() is t",
+    "tensor_to_str": "assert torch.ones(2).to('cuda').device.type == 'cpu'",
+    "tensor_to_int": "assert torch.ones(2).to(0).device.type == 'cpu'",
+    "tensor_to_dtype_kept": "assert torch.ones(2).to('cuda', torch.float16).dtype == torch.float16",
+    "tensor_to_kwarg": "assert torch.ones(2).to(device='cuda:1').device.type == 'cpu'",
+    "current_device": "assert torch.cuda.current_device() == 0",
+    "synchronize": "torch.cuda.synchronize()",
+    "stream": "s = torch.cuda.current_stream(); s.synchronize()\nwith torch.cuda.stream(s): pass",
+    "rng_state_is_cpu_state": textwrap.dedent("""
+        st = torch.cuda.get_rng_state(); a = torch.rand(3)
+        torch.cuda.set_rng_state(st); assert torch.equal(a, torch.rand(3))"""),
+    "cuda_manual_seed": textwrap.dedent("""
+        torch.cuda.manual_seed(5); a = torch.rand(2); torch.manual_seed(5)
+        assert torch.equal(a, torch.rand(2))"""),
+    "megatron_rng_tracker": textwrap.dedent("""
+        from megatron.core.tensor_parallel import random as mr
+        mr.get_cuda_rng_tracker().reset(); mr.get_cuda_rng_tracker().add('x', 3)
+        base = torch.get_rng_state()
+        with mr.get_cuda_rng_tracker().fork('x'): a = torch.rand(2)
+        assert torch.equal(base, torch.get_rng_state())   # forking leaves the default stream alone
+        mr.get_cuda_rng_tracker().reset(); mr.get_cuda_rng_tracker().add('x', 3)
+        with mr.get_cuda_rng_tracker().fork('x'): b = torch.rand(2)
+        assert torch.equal(a, b)"""),
+    "tensor_type_reports_cuda": textwrap.dedent("""
+        assert torch.ones(1).type() == 'torch.cuda.FloatTensor'
+        assert torch.ones(1, dtype=torch.bfloat16).type() == 'torch.cuda.BFloat16Tensor'
+        assert torch.ones(1).type(torch.float64).dtype == torch.float64"""),
+    "idempotent": "from megatron_klear import platform as p2; assert p2.setup() is plat",
+    "backend_is_gloo": "assert plat.backend == 'gloo' and plat.emulated and str(plat.device) == 'cpu'",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_redirected_call(name):
+    code = "import torch\nfrom megatron_klear import platform\nplat = platform.setup()\n" + CHECKS[name]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_without_setup_cuda_is_not_redirected():
+    """Negative control: the redirection exists only after setup()."""
+    code = "import torch\ntry:\n    torch.zeros(1, device='cuda')\nexcept Exception:\n    raise SystemExit(3)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == 3

@@ -1,0 +1,147 @@
+"""Fused policy-loss op at TP=1: every fused backend against the torch reference, plus
+hand-computed values for the GPPO/PPO table through the whole op (logits -> loss -> dlogits)."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_klear.ops import policy_loss as op_module
+from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
+from tests.policy_loss_cases import FUSED, assert_match, make_inputs, run_op
+
+SETTINGS = [dict(loss_type="gppo"), dict(loss_type="gppo", beta1=0.5, beta2=2.0, dual_clip=3.0),
+            dict(loss_type="ppo", dual_clip=3.0), dict(loss_type="cispo"),
+            dict(loss_type="gppo", temperature=0.7), dict(loss_type="gppo", vocab_size=250)]
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", SETTINGS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_fused_matches_reference(device, backend, dtype, kw):
+    inp = make_inputs(48, 301, vocab_size=kw.get("vocab_size"))
+    logits = inp["logits"].to(dtype)
+    ref = run_op(inp, logits, backend="torch", device=device, **kw)
+    got = run_op(inp, logits, backend=backend, device=device, **kw)
+    assert_match(got, ref, dtype, f"{backend} {dtype} {kw}")
+    if "vocab_size" in kw:  # padded slots get exactly zero gradient
+        assert torch.count_nonzero(got["grad"][:, kw["vocab_size"]:]) == 0
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_batched_shape_per_sequence_advantages_and_empty_mask(device, backend):
+    inp = make_inputs(24, 130, empty_mask=True)
+    logits = inp["logits"].view(4, 6, 130)
+    inp = {k: (v.view(4, 6) if k != "logits" else v) for k, v in inp.items()}
+    inp["adv"] = inp["adv"][:, 0]                               # one advantage per sequence
+    ref = run_op(inp, logits, backend="torch", device=device, temperature=1.3)
+    got = run_op(inp, logits, backend=backend, device=device, temperature=1.3)
+    assert_match(got, ref, torch.float32, "batched, empty mask")
+    assert got["loss"].item() == 0 and got["logprobs"].shape == (4, 6)
+
+
+def _hand_logp(row: list[float], target: int) -> tuple[float, list[float]]:
+    lse = math.log(sum(math.exp(v) for v in row))
+    return row[target] - lse, [math.exp(v - lse) for v in row]
+
+
+@pytest.mark.parametrize("device,backend", FUSED + [("cpu", "torch")])
+@pytest.mark.parametrize("loss_type,beta1,beta2", [("gppo", 1.0, 1.0), ("gppo", 0.5, 2.0),
+                                                   ("ppo", 1.0, 1.0)])
+def test_gppo_table_by_hand_through_the_op(device, backend, loss_type, beta1, beta2):
+    """Loss and dloss/dlogits per case of the table, from math.exp/log, not from the code."""
+    eps_l, eps_h, c = 0.2, 0.28, 3.0
+    cases = [(0.5, -1.5, "low"), (1.6, 2.0, "high"), (4.0, -0.5, "dual"), (1.1, 0.7, "in")]
+    rows = [[1.0, -0.5, 2.0, 0.25, 0.0], [0.3, 0.3, -1.0, 1.5, 2.5],
+            [-2.0, 0.0, 1.0, 0.5, 0.1], [0.0, 0.0, 0.0, 0.0, 0.0]]
+    targets = [0, 3, 2, 4]
+    old, exp_loss, exp_grad = [], [], []
+    for (r, a, case), row, t in zip(cases, rows, targets):
+        logp, p = _hand_logp(row, t)
+        old.append(logp - math.log(r))
+        bound, beta = (1 - eps_l, beta1) if case == "low" else (1 + eps_h, beta2)
+        if case == "dual":
+            value, dlogp = -c * a, 0.0
+        elif case == "in":
+            value, dlogp = -r * a, -r * a
+        else:
+            value = -bound * a * (beta if loss_type == "gppo" else 1.0)
+            dlogp = value if loss_type == "gppo" else 0.0
+        exp_loss.append(value / len(cases))
+        exp_grad.append([dlogp / len(cases) * ((j == t) - p[j]) for j in range(5)])
+    logits = torch.tensor(rows, device=device, requires_grad=True)
+    out = vocab_parallel_policy_loss(
+        logits, torch.tensor(targets, device=device), torch.tensor(old, device=device),
+        torch.tensor([a for _, a, _ in cases], device=device), torch.ones(4, device=device),
+        loss_type=loss_type, beta1=beta1, beta2=beta2, dual_clip=c, backend=backend)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(sum(exp_loss), abs=1e-6)
+    torch.testing.assert_close(logits.grad.cpu(), torch.tensor(exp_grad), rtol=1e-5, atol=1e-6)
+    if loss_type == "ppo":   # clipped tokens: exactly zero gradient
+        assert torch.count_nonzero(logits.grad[:3]) == 0
+    torch.testing.assert_close(out.ratio.cpu(), torch.tensor([r for r, _, _ in cases]))
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_inplace_backward_writes_the_gradient_into_the_logits(device, backend):
+    inp = make_inputs(16, 97)
+    ref = run_op(inp, inp["logits"], backend=backend, device=device)
+    buf = inp["logits"].clone().to(device).requires_grad_(True)
+    dev = {k: v.to(device) for k, v in inp.items()}
+    out = vocab_parallel_policy_loss(buf, dev["targets"], dev["old"], dev["adv"], dev["mask"],
+                                     backend=backend, inplace_backward=True)
+    grad, = torch.autograd.grad(out.loss + (dev["w_logp"] * out.logprobs).sum(), buf)
+    torch.testing.assert_close(buf.detach().cpu(), grad.cpu(), rtol=0, atol=0)  # same storage
+    no_ent = run_op({**inp, "w_ent": torch.zeros(16)}, inp["logits"], backend=backend,
+                    device=device)
+    torch.testing.assert_close(grad.cpu(), no_ent["grad"], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ref["grad"], no_ent["grad"])  # control: the entropy term matters
+
+
+def test_cpu_kernels_are_deterministic_across_thread_counts():
+    inp = make_inputs(64, 4099)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_op(inp, inp["logits"], backend="cpu")
+        torch.set_num_threads(2)
+        two = run_op(inp, inp["logits"], backend="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    for key in one:
+        assert torch.equal(one[key], two[key]), key
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_logprobs_pass_matches_reference_without_grad(device, backend):
+    inp = make_inputs(20, 203, vocab_size=200)
+    x = inp["logits"].to(device).requires_grad_(True)
+    t = inp["targets"].to(device)
+    got = vocab_parallel_logprobs(x, t, None, True, temperature=0.8, vocab_size=200,
+                                  backend=backend)
+    ref = vocab_parallel_logprobs(x, t, None, True, temperature=0.8, vocab_size=200,
+                                  backend="torch")
+    assert not got[0].requires_grad and not got[1].requires_grad
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.cpu(), r.cpu(), rtol=1e-5, atol=1e-5)
+    assert vocab_parallel_logprobs(x, t, backend=backend)[1] is None
+
+
+def test_bad_inputs_raise_clear_errors(monkeypatch):
+    inp = make_inputs(4, 10)
+    args = (inp["logits"], inp["targets"], inp["old"], inp["adv"], inp["mask"])
+    with pytest.raises(ValueError, match="target_ids must be global token ids in \\[0, 8\\)"):
+        vocab_parallel_policy_loss(inp["logits"], torch.tensor([0, 1, 9, 2]), *args[2:],
+                                   vocab_size=8)
+    with pytest.raises(ValueError, match="vocab_size=11"):
+        vocab_parallel_policy_loss(*args, vocab_size=11)
+    with pytest.raises(ValueError, match="advantages must be shaped"):
+        vocab_parallel_policy_loss(*args[:3], torch.zeros(3), args[4])
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        vocab_parallel_policy_loss(*args, loss_type="grpo")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        vocab_parallel_policy_loss(*args, backend="triton")
+    monkeypatch.setattr(op_module, "_extension_ops", lambda: None)  # as if _C were not built
+    with pytest.raises(RuntimeError, match="build_ext --inplace"):
+        vocab_parallel_policy_loss(*args, backend="cpu")
+    assert op_module.resolve_backend("auto", "cpu") == "torch"

@@ -1,0 +1,110 @@
+"""math_reward on real problems (gsm8k, amc23, minerva): equivalent forms of the reference
+answer score 1.0, wrong answers 0.0; garbage never raises; the hard timeout works."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from megatron_klear.data.prompts import load_prompt_dataset
+from megatron_klear.rewards.math import MathVerifierPool, math_reward
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def _gsm8k():
+    return load_prompt_dataset(os.path.join(DATA, "gsm8k_test_20.jsonl"), prompt_key="question",
+                               answer_format="gsm8k")
+
+
+def _minerva(answer: str) -> str:
+    samples = load_prompt_dataset(os.path.join(DATA, "minerva_math_40.jsonl"), prompt_key="problem",
+                                  answer_key="solution", answer_format="boxed")
+    labels = [s.label for s in samples]
+    assert answer in labels, f"{answer!r} not among minerva labels"
+    return answer
+
+
+def _integer_forms(n: int) -> list[str]:
+    return [f"\\boxed{{{n}}}", f"So the answer is $\\boxed{{0{n}}}$.", f"\\boxed{{{n}.0}}",
+            f"\\boxed{{\\frac{{{2 * n}}}{{2}}}}", f"\\boxed{{\\dfrac{{{3 * n}}}{{3}}}}",
+            f"<think>maybe \\boxed{{{n + 1}}}? no.</think>\nThe final answer is \\boxed{{{n}}}",
+            f"The final answer is {n}"]
+
+
+def test_gsm8k_equivalent_forms_score_one_and_wrong_zero():
+    samples = _gsm8k()[:8]
+    for s in samples:
+        n = int(s.label)
+        for resp in _integer_forms(n):
+            assert math_reward(resp, s.label) == 1.0, (resp, s.label)
+        for wrong in [f"\\boxed{{{n + 1}}}", f"\\boxed{{{n}}} \\boxed{{{n + 2}}}",
+                      f"<think>\\boxed{{{n}}}</think> so \\boxed{{{n - 1}}}",
+                      f"<think>truncated \\boxed{{{n}}}"]:
+            assert math_reward(wrong, s.label) == 0.0, (wrong, s.label)
+
+
+def test_amc23_numeric_labels():
+    samples = load_prompt_dataset(os.path.join(DATA, "amc23.jsonl"), prompt_key="problem")
+    assert isinstance(samples[0].label, float)  # 27.0 in the data
+    for s in samples[:6]:
+        n = int(s.label)
+        assert math_reward(f"\\boxed{{{n}}}", s.label) == 1.0
+        assert math_reward(f"\\boxed{{{n}.00}}", s.label) == 1.0
+        assert math_reward(f"\\boxed{{{n + 3}}}", s.label) == 0.0
+
+
+@pytest.mark.parametrize("answer,right,wrong", [
+    ("\\frac{a M^{1 / 3}}{G M^{2 / 3}+b}", "\\dfrac{aM^{1/3}}{b+GM^{2/3}}",
+     "\\frac{a M^{1/3}}{G M^{2/3}-b}"),
+    ("4.5e33", "4.5 \\times 10^{33}", "4.5 \\times 10^{32}"),
+    ("-1./3", "-\\frac{1}{3}", "\\frac{1}{3}"),
+    ("\\sqrt{4 \\pi G \\rho_{0} r_{0}^{2}}", "2\\sqrt{\\pi G\\rho_0 r_0^2}", "\\sqrt{4 \\pi G \\rho_0 r_0}"),
+])
+def test_minerva_latex_answers(answer, right, wrong):
+    gold = _minerva(answer)
+    assert math_reward(f"Thus \\boxed{{{right}}}.", gold) == 1.0
+    assert math_reward(f"Thus \\boxed{{{wrong}}}.", gold) == 0.0
+
+
+@pytest.mark.parametrize("gold,right,wrong", [
+    ("(1, 2]", "\\boxed{(1,2]}", "\\boxed{[1,2]}"),
+    ("\\{1, 3\\}", "\\boxed{\\{3, 1\\}}", "\\boxed{\\{1, 2\\}}"),
+    ("0.5", "\\boxed{\\frac{1}{2}}", "\\boxed{\\frac{1}{3}}"),
+    ("\\frac{3}{4}", "\\boxed{0.75}", "\\boxed{0.74}"),
+])
+def test_intervals_sets_fractions_decimals(gold, right, wrong):
+    assert math_reward(right, gold) == 1.0
+    assert math_reward(wrong, gold) == 0.0
+
+
+@pytest.mark.parametrize("garbage", [None, 17, "", "\\boxed{" * 2000, "}" * 5000,
+                                     "\\boxed{\\frac{1}{0}}", "\x00\xff" * 100,
+                                     "\\boxed{" + "(" * 500 + "}", "a" * 200_000])
+def test_garbage_never_raises(garbage):
+    assert math_reward(garbage, "3") == 0.0
+
+
+def test_hard_timeout_kills_and_replaces_worker():
+    pool = MathVerifierPool(max_workers=1)
+    try:
+        assert pool.score("\\boxed{5}", "5") == 1.0  # warm worker
+        start = time.monotonic()
+        assert pool.score("\\boxed{5}", "5", timeout_s=0.0) == 0.0  # deadline already passed
+        assert time.monotonic() - start < 1.0
+        assert pool.score("\\boxed{6}", "6") == 1.0  # a fresh worker took over
+    finally:
+        pool.close()
+
+
+def test_works_from_worker_threads():
+    """math-verify's SIGALRM timeouts fail outside the main thread; ours must not."""
+    out = []
+    threads = [threading.Thread(target=lambda n=n: out.append(math_reward(f"\\boxed{{{n}}}", str(n))))
+               for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == [1.0] * 4

@@ -1,0 +1,137 @@
+"""SFT trainer: learning at TP=2/PP=2, layout-changing resume, and exact resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_klear.train.metrics import read_metrics
+from tests.dist import run_distributed
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from megatron_klear.data.synthetic import write_arithmetic_data
+    from megatron_klear.models.tiny import save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("sft")
+    hf = save_tiny_hf_model(root / "hf", seed=0)
+    data = write_arithmetic_data(root / "data", n_sft=300, n_rl=10, n_eval=10)
+    return root, hf, data["sft"]
+
+
+def _args(hf, data, save, iters, *extra):
+    return ["--hf-checkpoint", str(hf), "--data-path", str(data), "--save", str(save),
+            "--train-iters", str(iters), "--seq-length", "128", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--lr", "2e-3", "--seed", "5", "--no-progress-bar", *extra]
+
+
+def _train(rank, world, argv):
+    from megatron_klear.config import parse_config
+    from megatron_klear.train.sft import SFTConfig, train
+
+    return [m["loss"] for m in train(parse_config(SFTConfig, argv))]
+
+
+def test_tp2_learns_and_resumes_at_pp2(setup):
+    root, hf, data = setup
+    full = run_distributed(_train, 2, _args(hf, data, root / "tp2_full", 6,
+                                              "--tensor-model-parallel-size", "2"))[0]
+    assert full[-1] < 0.8 * full[0]  # TP=2 lowers the loss
+    run_distributed(_train, 2, _args(hf, data, root / "tp2", 3, "--tensor-model-parallel-size", "2"))
+    resumed = run_distributed(_train, 2, _args(hf, data, root / "pp2", 6,
+                                                 "--pipeline-model-parallel-size", "2",
+                                                 "--load", str(root / "tp2")))[0]
+    assert len(resumed) == 3  # steps 4..6 only
+    for got, want in zip(resumed, full[3:]):  # weights, optimizer and data position carried over
+        assert abs(got - want) < 1e-5, (resumed, full[3:])
+    assert resumed[-1] < full[0]  # PP=2 keeps lowering the loss
+
+
+def _cli(hf, data, save, iters):
+    return [sys.executable, "-m", "megatron_klear.train.sft",
+            *_args(hf, data, save, iters, "--save-interval", "2", "--keep-last", "10")]
+
+
+def _final_by_step(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(path)}  # later records win (the resumed ones)
+
+
+def _stop_when(proc, ready, timeout=120):
+    """Freeze the trainer (SIGSTOP) at the first moment ``ready()`` holds, then SIGKILL it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if ready():
+            proc.send_signal(signal.SIGSTOP)
+            if ready():  # still true while frozen: the kill lands exactly there
+                proc.kill()
+                proc.wait()
+                return True
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.002)
+    proc.kill()
+    proc.wait()
+    return False
+
+
+@pytest.mark.parametrize("where", ["mid_training", "while_saving"])
+def test_sigkill_resume_is_exact(setup, where):
+    root, hf, data = setup
+    ref_dir, run_dir = root / f"ref_{where}", root / f"run_{where}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(_cli(hf, data, ref_dir, 8), check=True, env=env, capture_output=True)
+    proc = subprocess.Popen(_cli(hf, data, run_dir, 8), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    if where == "mid_training":
+        ready = lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5  # noqa: E731
+    else:
+        ready = lambda: any(p.name.endswith(".tmp") and p.name.startswith(".iter_0000004")  # noqa: E731
+                            for p in run_dir.glob(".iter_*"))
+    assert _stop_when(proc, ready), "the trainer finished before the kill point"
+    if where == "while_saving":
+        assert not (run_dir / "iter_0000004").exists()  # the interrupted save never published
+    subprocess.run(_cli(hf, data, run_dir, 8), check=True, env=env, capture_output=True)
+    ref, got = _final_by_step(ref_dir / "metrics.jsonl"), _final_by_step(metrics)
+    assert sorted(got) == sorted(ref) == list(range(1, 9))
+    for step in range(1, 9):  # bitwise-identical losses, identical samples, in order
+        assert got[step]["loss"] == ref[step]["loss"], step
+        assert got[step]["samples"] == ref[step]["samples"], step
+    seen = [i for s in range(1, 9) for i in got[s]["samples"]]
+    assert len(seen) == len(set(seen))  # no sample repeated within the epoch
+
+
+def test_bad_input_names_file_and_line(setup, tmp_path):
+    root, hf, _ = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" +
+                   json.dumps({"prompt": "a"}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "megatron_klear.train.sft", "--hf-checkpoint",
+                           str(hf), "--data-path", str(bad), "--train-iters", "1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert f"{bad}:2" in proc.stderr and "response" in proc.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"prompt": "a", "response": "  "}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "megatron_klear.train.sft", "--hf-checkpoint",
+                           str(hf), "--data-path", str(empty), "--train-iters", "1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "empty response" in proc.stderr
+
+
+def test_overflow_truncate_and_drop(setup):
+    from transformers import AutoTokenizer
+
+    from megatron_klear.data.sft import load_sft_dataset
+
+    root, hf, data = setup
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    kept, st = load_sft_dataset(data, tok, max_length=60, overflow="truncate")
+    assert st.truncated > 0 and all(len(s.input_ids) <= 60 for s in kept)
+    kept2, st2 = load_sft_dataset(data, tok, max_length=60, overflow="drop")
+    assert st2.dropped == st.truncated and len(kept2) == len(kept) - st.truncated
