@@ -44,10 +44,10 @@ def test_sampling_follows_the_filtered_distribution():
     cfg = SamplingConfig(top_k=2)
     gen = torch.Generator().manual_seed(0)
     rows = PROBS.log().expand(4000, 4)
-    tokens = sample_next(rows, [cfg] * 4000, gen)
+    tokens = sample_next(rows, [cfg] * 4000, [gen] * 4000)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=0.03, rtol=0)
-    greedy = sample_next(rows[:3], [SamplingConfig(temperature=0.0)] * 3, gen)
+    greedy = sample_next(rows[:3], [SamplingConfig(temperature=0.0)] * 3, [gen] * 3)
     assert greedy.tolist() == [1, 1, 1]
 
 
