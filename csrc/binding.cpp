@@ -11,13 +11,23 @@
 
 namespace {
 
+// CPU kernel storage type of a torch scalar type (bf16 gets vectorisable conversions; fp16
+// goes through c10::Half's scalar conversions: correct, not fast).
+template <typename S> struct Storage { using type = S; };
+template <> struct Storage<c10::BFloat16> { using type = klear::cpu::bf16_t; };
+
+template <typename S> using storage_t = typename Storage<S>::type;
+static_assert(sizeof(klear::cpu::bf16_t) == sizeof(c10::BFloat16));
+
 at::Tensor stats_cpu(const at::Tensor& logits, const at::Tensor& target_local, int64_t valid,
                      double inv_temp) {
   klear::check_rows(logits, target_local, valid);
   auto stats = at::empty({logits.size(0), 4}, logits.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "klear_stats",
                                   [&] {
-    klear::cpu::logprob_stats(logits.const_data_ptr<scalar_t>(), logits.size(0), logits.size(1),
+    using S = storage_t<scalar_t>;
+    klear::cpu::logprob_stats(reinterpret_cast<const S*>(logits.const_data_ptr()),
+                              logits.size(0), logits.size(1),
                               target_local.const_data_ptr<int64_t>(), valid,
                               static_cast<float>(inv_temp), stats.mutable_data_ptr<float>());
   });
@@ -39,8 +49,9 @@ at::Tensor backward_cpu(const at::Tensor& logits, const at::Tensor& target_local
   if (grad_entropy.has_value()) ge = grad_entropy->contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "klear_bwd",
                                   [&] {
-    klear::cpu::logprob_backward(logits.const_data_ptr<scalar_t>(),
-                                 grad.mutable_data_ptr<scalar_t>(), logits.size(0),
+    using S = storage_t<scalar_t>;
+    klear::cpu::logprob_backward(reinterpret_cast<const S*>(logits.const_data_ptr()),
+                                 reinterpret_cast<S*>(grad.mutable_data_ptr()), logits.size(0),
                                  logits.size(1), target_local.const_data_ptr<int64_t>(), valid,
                                  static_cast<float>(inv_temp), lse_c.const_data_ptr<float>(),
                                  ent_c.const_data_ptr<float>(), gl.const_data_ptr<float>(),

@@ -16,7 +16,7 @@ SETTINGS = [dict(loss_type="gppo"), dict(loss_type="gppo", beta1=0.5, beta2=2.0,
 
 
 @pytest.mark.parametrize("device,backend", FUSED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kw", SETTINGS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_fused_matches_reference(device, backend, dtype, kw):
     inp = make_inputs(48, 301, vocab_size=kw.get("vocab_size"))
@@ -137,6 +137,8 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         vocab_parallel_policy_loss(*args, vocab_size=11)
     with pytest.raises(ValueError, match="advantages must be shaped"):
         vocab_parallel_policy_loss(*args[:3], torch.zeros(3), args[4])
+    with pytest.raises(ValueError, match="loss_mask must be shaped like the targets"):
+        vocab_parallel_policy_loss(*args[:4], torch.ones(2, 2))
     with pytest.raises(ValueError, match="unknown policy loss"):
         vocab_parallel_policy_loss(*args, loss_type="grpo")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -145,3 +147,20 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="build_ext --inplace"):
         vocab_parallel_policy_loss(*args, backend="cpu")
     assert op_module.resolve_backend("auto", "cpu") == "torch"
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_python_registered_loss_runs_on_fused_logprobs(device, backend):
+    """A loss registered only in Python uses the kernels' log-probs and torch per-token math."""
+    from megatron_klear.algo.losses import POLICY_LOSSES, gppo_loss, register_policy_loss
+
+    register_policy_loss("gppo_python_copy")(gppo_loss)
+    try:
+        inp = make_inputs(32, 157)
+        got = run_op(inp, inp["logits"], backend=backend, device=device,
+                     loss_type="gppo_python_copy", dual_clip=2.5)
+        ref = run_op(inp, inp["logits"], backend="torch", device=device, loss_type="gppo",
+                     dual_clip=2.5)
+        assert_match(got, ref, torch.float32, "python-registered loss")
+    finally:
+        del POLICY_LOSSES["gppo_python_copy"]

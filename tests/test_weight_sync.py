@@ -62,7 +62,8 @@ def _optimizer_step(model, arch) -> None:
     opt.step()
 
 
-def _sync_and_probe(rank: int, world: int, url: str, model_dir: str, tp: int, pp: int):
+def _sync_and_probe(rank: int, world: int, url: str, model_dir: str, tp: int, pp: int,
+                    load_format: str | None):
     """Per rank: probe (stale) -> sync v1 -> probe -> [optimizer step -> probe (stale) ->
     sync v2 -> probe]. Returns the probe diffs measured on the last stage, and metrics."""
     from megatron.core import parallel_state as ps
@@ -70,7 +71,7 @@ def _sync_and_probe(rank: int, world: int, url: str, model_dir: str, tp: int, pp
     from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
 
     model, arch = _build(model_dir, tp, pp, seed=1000 + 10 * tp + pp)
-    sync = WeightSync([url], [model], arch, bucket_bytes=32 * 1024)
+    sync = WeightSync([url], [model], arch, bucket_bytes=32 * 1024, load_format=load_format)
     sync.connect()
     diffs, metrics = {}, []
 
@@ -98,10 +99,10 @@ def _hf_bytes(model_dir) -> int:
         return sum(f.get_tensor(k).numel() * 4 for k in f.keys())
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_sync_makes_server_match_trainer(server, model_dir, tp, pp):
+@pytest.mark.parametrize("tp, pp, load_format", [(2, 1, "flattened_bucket"), (1, 2, None)])
+def test_sync_makes_server_match_trainer(server, model_dir, tp, pp, load_format):
     results = run_distributed(_sync_and_probe, 2, server.urls[0], str(model_dir), tp, pp,
-                              timeout=240)
+                              load_format, timeout=240)
     diffs = {k: v for r in results for k, v in r["diffs"].items()}
     assert diffs["before_sync"] > STALE_MIN, diffs
     assert diffs["after_sync"] < SYNCED_TOL, diffs
@@ -120,8 +121,11 @@ def test_iter_buckets_respects_size_and_order():
     named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([3, 5, 2, 9, 1])]
     buckets = list(iter_buckets(named, bucket_bytes=32))
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
-    flat = flatten_bucket([("a", torch.tensor([1.0])), ("b", torch.tensor([2.0], dtype=torch.bfloat16))])
+    pair = [("a", torch.tensor([1.0])), ("b", torch.tensor([2.0], dtype=torch.bfloat16))]
+    flat = flatten_bucket(pair, out=torch.empty(6, dtype=torch.uint8))
     assert flat.dtype == torch.uint8 and flat.numel() == 4 + 2
+    assert flat[:4].view(torch.float32).item() == 1.0
+    assert flat[4:].view(torch.bfloat16).item() == 2.0
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, dict]:

@@ -59,6 +59,7 @@ class Generator:
         self.lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(seed)
         self.params = dict(self.model.named_parameters())
+        self._recv_buf = torch.empty(0, dtype=torch.uint8)
 
     def _eos_ids(self) -> set[int]:
         eos = self.config.eos_token_id
@@ -171,15 +172,62 @@ class Generator:
         return self.tokenizer.decode(ids, skip_special_tokens=cfg.skip_special_tokens)
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy full HF-named tensors into the model (checked: name and shape)."""
-        for name, tensor in named:
-            param = self.params.get(name)
-            if param is None:
-                raise KeyError(f"unknown parameter {name!r}: not a tensor of this Qwen3 model")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"shape mismatch for {name!r}: the server holds "
-                                 f"{tuple(param.shape)}, the request sent {tuple(tensor.shape)}")
+    def receive_weights(self, group, specs: list[tuple[str, torch.dtype, tuple]],
+                        flattened: bool) -> None:
+        """Receive tensors by broadcast from the trainer (rank 0 of ``group``) and load them.
+
+        Per tensor, a tensor whose name, shape and dtype match a parameter is received
+        directly into the parameter's storage (no allocation, no copy). ``flattened``: one
+        uint8 buffer with the tensors' bytes back to back, received into a reused buffer.
+        Name/shape errors are raised only after the whole request was received, so the
+        sender is never left hanging in its broadcast.
+        """
+        errors = [e for e in (self._check_spec(n, shape) for n, _, shape in specs) if e]
+        if flattened:
+            self._receive_flat(group, specs, load=not errors)
+        else:
+            for name, dtype, shape in specs:
+                self._receive_one(group, name, dtype, shape, load=not errors)
+        if errors:
+            raise ValueError(errors[0])
+
+    def _check_spec(self, name: str, shape: tuple) -> str | None:
+        param = self.params.get(name)
+        if param is None:
+            return f"unknown parameter {name!r}: not a tensor of this Qwen3 model"
+        if tuple(param.shape) != tuple(shape):
+            return (f"shape mismatch for {name!r}: the server holds {tuple(param.shape)}, "
+                    f"the request sent {tuple(shape)}")
+        return None
+
+    def _receive_one(self, group, name: str, dtype: torch.dtype, shape: tuple,
+                     load: bool) -> None:
+        param = self.params.get(name)
+        if load and param.dtype == dtype and param.is_contiguous():
+            with self.lock:
+                group.broadcast(param.data)
+            return
+        tmp = torch.empty(shape, dtype=dtype)
+        group.broadcast(tmp)
+        if load:
+            with self.lock:
+                param.copy_(tmp)
+
+    def _receive_flat(self, group, specs: list[tuple[str, torch.dtype, tuple]],
+                      load: bool) -> None:
+        sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+                 for _, dt, shape in specs]
+        if self._recv_buf.numel() < sum(sizes):  # grow-only: reused pages are not re-faulted
+            self._recv_buf = torch.empty(sum(sizes), dtype=torch.uint8)
+        buf = self._recv_buf[:sum(sizes)]
+        group.broadcast(buf)
+        if not load:
+            return
+        offset = 0
         with self.lock:
-            for name, tensor in named:
-                self.params[name].copy_(tensor)
+            for (name, dtype, shape), size in zip(specs, sizes):
+                chunk = buf[offset:offset + size]
+                if offset % chunk.new_empty((), dtype=dtype).element_size():
+                    chunk = chunk.clone()  # view(dtype) needs an aligned offset
+                self.params[name].copy_(chunk.view(dtype).view(shape))
+                offset += size

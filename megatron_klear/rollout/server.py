@@ -285,8 +285,8 @@ class RolloutServer:
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """POST /update_weights_from_distributed: receive tensors by broadcast(src=0), load them.
 
-        The broadcast is received before names/shapes are checked against the model, so a
-        trainer that sent a wrong name is answered with 400 instead of hanging.
+        The whole broadcast is received before a wrong name/shape is reported (400), so the
+        trainer never hangs.
         """
         body = await _json_body(request)
         if not self.in_weight_update:
@@ -306,16 +306,15 @@ class RolloutServer:
         if fmt not in (None, "flattened_bucket"):
             raise RequestError(f"load_format={fmt!r}: expected null or 'flattened_bucket'")
         async with self.update_lock:
-            named = await asyncio.to_thread(_receive, group, specs, fmt == "flattened_bucket")
             try:
-                await asyncio.to_thread(self.gen.load_weights, named)
-            except (KeyError, ValueError) as exc:
-                return web.json_response({"success": False, "message": str(exc.args[0])},
-                                         status=400)
+                await asyncio.to_thread(self.gen.receive_weights, group, specs,
+                                        fmt == "flattened_bucket")
+            except ValueError as exc:
+                return web.json_response({"success": False, "message": str(exc)}, status=400)
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         return web.json_response({"success": True, "message": "Succeeded to update parameter "
-                                  f"online ({len(named)} tensors)."})
+                                  f"online ({len(specs)} tensors)."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         """POST /destroy_weights_update_group {group_name}."""
@@ -325,27 +324,6 @@ class RolloutServer:
             raise RequestError(f"group_name {name!r} unknown (known: {sorted(self.groups)})")
         group.close()
         return web.json_response({"success": True, "message": f"destroyed {name!r}"})
-
-
-def _receive(group: UpdateGroup, specs: list[tuple[str, torch.dtype, tuple]],
-             flattened: bool) -> list[tuple[str, torch.Tensor]]:
-    """Receive tensors by broadcast from rank 0: one per tensor, or one flattened uint8 bucket."""
-    if not flattened:
-        out = []
-        for name, dtype, shape in specs:
-            t = torch.empty(shape, dtype=dtype)
-            group.broadcast(t)
-            out.append((name, t))
-        return out
-    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-             for _, dt, shape in specs]
-    buf = torch.empty(sum(sizes), dtype=torch.uint8)
-    group.broadcast(buf)
-    out, offset = [], 0
-    for (name, dtype, shape), size in zip(specs, sizes):
-        out.append((name, buf[offset:offset + size].view(dtype).view(shape)))
-        offset += size
-    return out
 
 
 @web.middleware

@@ -5,9 +5,12 @@ Per sync: rank 0 pauses generation, flushes the cache and opens the update windo
 closes the window and resumes generation. Streaming a stage: ``export_hf_weights`` (the
 checkpoint bridge's one Megatron -> HF mapping; collective over TP) yields full HF-named
 tensors, which the stage's *source rank* packs into buckets of ``bucket_bytes``; per bucket
-it POSTs ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``: the
-tensors' bytes back to back in one uint8 buffer, in request order), broadcasts the buffer
-over the weight-update group and awaits the servers' replies.
+it POSTs ``/update_weights_from_distributed``, broadcasts the bucket over the weight-update
+group and awaits the servers' replies. ``load_format="flattened_bucket"`` (default) sends the
+tensors' bytes back to back in one uint8 buffer (one broadcast per bucket, packed into a
+reused buffer); ``load_format=None`` broadcasts each tensor as is (no packing copy; the
+embedded server receives straight into its parameters). Bucket k+1 is exported and packed
+while bucket k is on the wire. Only data-parallel replica 0 exports.
 
 PP design: each pipeline stage's source rank (TP rank 0, DP rank 0) hosts its OWN
 weight-update group (``{group_name}_pp{stage}`` when PP > 1) and is rank 0 of it, as SGLang
@@ -29,6 +32,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_klear import platform
 from megatron_klear.rollout.client import RolloutClient, RolloutError
 from megatron_klear.rollout.update_group import UpdateGroup, dtype_name, open_update_group
 
@@ -60,9 +64,14 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield bucket
 
 
-def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """The tensors' bytes back to back in one uint8 buffer (the flattened_bucket wire format)."""
-    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors' bytes back to back in one uint8 buffer (the flattened_bucket wire format),
+    written into ``out`` when given (a reused buffer avoids fresh page faults on CPU)."""
+    parts = [t.contiguous().view(-1).view(torch.uint8) for _, t in bucket]
+    if out is None:
+        return torch.cat(parts)
+    return torch.cat(parts, out=out)
 
 
 def trainer_sequence_logprobs(model: torch.nn.Module, arch, input_ids: list[int]
@@ -81,13 +90,14 @@ def trainer_sequence_logprobs(model: torch.nn.Module, arch, input_ids: list[int]
     return logp.gather(1, ids[0, 1:, None])[:, 0]
 
 
-def _parallel_ranks() -> tuple[int, int, int, bool]:
-    """(pp stage, pp size, global rank, is this stage's source rank)."""
+def _parallel_ranks() -> tuple[int, int, int, bool, bool]:
+    """(pp stage, pp size, global rank, in DP replica 0, is this stage's source rank)."""
     from megatron.core import parallel_state as ps
 
     stage = ps.get_pipeline_model_parallel_rank()
-    source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    return stage, ps.get_pipeline_model_parallel_world_size(), dist.get_rank(), source
+    replica0 = ps.get_data_parallel_rank() == 0
+    source = replica0 and ps.get_tensor_model_parallel_rank() == 0
+    return stage, ps.get_pipeline_model_parallel_world_size(), dist.get_rank(), replica0, source
 
 
 class WeightSync:
@@ -97,20 +107,29 @@ class WeightSync:
                  bucket_bytes: int = 512 * 2**20, group_name: str = "klear_weights",
                  master_addr: str | None = "127.0.0.1", master_port: int | None = None,
                  backend: str | None = None, server_tp: int = 1, dtype: torch.dtype | None = None,
-                 pause_mode: str = "abort", timeout_s: float = 600.0) -> None:
+                 pause_mode: str = "abort", load_format: str | None = "flattened_bucket",
+                 timeout_s: float = 600.0) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be > 0")
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format={load_format!r}: expected None (one broadcast per "
+                             "tensor) or 'flattened_bucket' (one per bucket)")
         self.client = RolloutClient(urls, request_timeout_s=timeout_s, max_retries=0)
         self.model_chunks, self.arch = model_chunks, arch
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
-        self.stage, pp, self.rank, self.is_source = _parallel_ranks()
+        self.stage, pp, self.rank, self.replica0, self.is_source = _parallel_ranks()
         self.group_name = group_name if pp == 1 else f"{group_name}_pp{self.stage}"
         self.master_addr = master_addr or socket.gethostbyname(socket.getfqdn())
         self.master_port = master_port if master_port is None else master_port + self.stage
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.server_tp, self.pause_mode, self.timeout_s = server_tp, pause_mode, timeout_s
+        self.load_format = load_format
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if self.backend == "nccl" else torch.device("cpu")
         self.group: UpdateGroup | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
+        self._sender = concurrent.futures.ThreadPoolExecutor(1)  # bucket k on the wire ...
+        self._http = concurrent.futures.ThreadPoolExecutor(1)  # ... while its request waits
 
     # ------------------------------------------------------------------ group lifecycle
     def connect(self) -> None:
@@ -122,7 +141,7 @@ class WeightSync:
                               "rank_offset": 1 + i * self.server_tp, "world_size": world,
                               "group_name": self.group_name, "backend": self.backend}
                         for i, url in enumerate(self.client.urls)}
-            replies = self._pool.submit(self._post_each, "/init_weights_update_group", payloads)
+            replies = self._http.submit(self._post_each, "/init_weights_update_group", payloads)
             self.group = open_update_group(self.master_addr, port, 0, world, self.group_name,
                                            self.backend, self.timeout_s)
             self._check(replies.result(), "/init_weights_update_group")
@@ -136,7 +155,8 @@ class WeightSync:
                         "/destroy_weights_update_group")
             self.group.close()
             self.group = None
-        self._pool.shutdown()
+        self._sender.shutdown()
+        self._http.shutdown()
         dist.barrier()
 
     # ------------------------------------------------------------------ sync
@@ -158,9 +178,10 @@ class WeightSync:
         if self.rank == 0:
             self._check(self.client.post_all("/end_weight_update", {}), "/end_weight_update")
             self.client.post_all("/continue_generation", {})
-        total = torch.tensor([float(sent)], dtype=torch.float64)
+        here = platform.device()  # the default group's device (NCCL needs CUDA tensors)
+        total = torch.tensor([float(sent)], dtype=torch.float64, device=here)
         dist.all_reduce(total)
-        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=here)
         dist.broadcast(seconds, src=0)
         metrics = {"weight_sync/bytes": float(total), "weight_sync/seconds": float(seconds),
                    "weight_sync/gbps": float(total) / max(float(seconds), 1e-9) / 1e9}
@@ -188,16 +209,24 @@ class WeightSync:
                 time.sleep(0.05)
 
     def _send_stage(self, weight_version: str) -> int:
-        """Stream this stage's tensors (all TP ranks iterate; the source sends). Bytes sent."""
+        """Stream this stage's tensors (all TP ranks iterate; the source sends). Bytes sent.
+
+        Pipelined: bucket k+1 is exported and packed while bucket k is on the wire.
+        """
+        if not self.replica0:
+            return 0
         named = self._export()
         if not self.is_source:
             for _ in named:  # the TP all-gathers inside the export are collective
                 pass
             return 0
-        sent = 0
-        for bucket in iter_buckets(named, self.bucket_bytes):
-            sent += self._send_bucket(bucket, weight_version)
-        return sent
+        sent, inflight = 0, None
+        for i, bucket in enumerate(iter_buckets(named, self.bucket_bytes)):
+            payload, tensors = self._pack(bucket, weight_version, slot=i % 2)
+            if inflight is not None:
+                sent += inflight.result()
+            inflight = self._sender.submit(self._transfer, payload, tensors)
+        return sent + (inflight.result() if inflight is not None else 0)
 
     def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
         from megatron_klear.checkpoint.hf_bridge import export_hf_weights
@@ -205,20 +234,29 @@ class WeightSync:
         for name, t in export_hf_weights(self.model_chunks, self.arch):
             yield name, t if self.dtype is None else t.to(self.dtype)
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str) -> int:
+    def _pack(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str,
+              slot: int) -> tuple[dict, list[torch.Tensor]]:
+        """The request of one bucket and the tensors to broadcast (one flat buffer, or each)."""
         payload = {"names": [n for n, _ in bucket],
                    "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                    "shapes": [list(t.shape) for _, t in bucket],
                    "group_name": self.group_name, "flush_cache": False,
-                   "weight_version": weight_version, "load_format": "flattened_bucket"}
-        flat = flatten_bucket(bucket)
-        if self.backend == "nccl":  # pragma: no cover - GPU only
-            flat = flat.cuda()
-        replies = self._pool.submit(self.client.post_all, "/update_weights_from_distributed",
+                   "weight_version": weight_version, "load_format": self.load_format}
+        if self.load_format != "flattened_bucket":
+            return payload, [t.contiguous() for _, t in bucket]
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        if self._buffers[slot].numel() < nbytes:  # grow-only: pages stay mapped across syncs
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return payload, [flatten_bucket(bucket, out=self._buffers[slot][:nbytes])]
+
+    def _transfer(self, payload: dict, tensors: list[torch.Tensor]) -> int:
+        """POST the request, broadcast its tensors in order, await every server's reply."""
+        replies = self._http.submit(self.client.post_all, "/update_weights_from_distributed",
                                     payload)
-        self.group.broadcast(flat)
+        for t in tensors:
+            self.group.broadcast(t if t.device == self.device else t.to(self.device))
         self._check(replies.result(), "/update_weights_from_distributed")
-        return flat.numel()
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ probe
     def probe(self, input_ids: list[int], trainer_logprobs: torch.Tensor) -> float:

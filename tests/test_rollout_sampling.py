@@ -1,0 +1,72 @@
+"""Sampling numerics of the embedded server against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_klear.rollout.sampling import (RequestError, SamplingConfig, filter_top_k_top_p,
+                                             find_stop_string, sample_next, token_logprobs)
+
+PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
+
+
+def _kept(top_k: int, top_p: float) -> list[int]:
+    out = filter_top_k_top_p(PROBS.log(), top_k, top_p)
+    return torch.nonzero(torch.isfinite(out))[:, 0].tolist()
+
+
+@pytest.mark.parametrize("top_k, top_p, kept", [
+    (-1, 1.0, [0, 1, 2, 3]),
+    (2, 1.0, [1, 3]),
+    (-1, 0.45, [1]),         # 0.5 alone reaches 0.45
+    (-1, 0.75, [1, 3]),      # 0.5 + 0.3 reaches 0.75: 0.15 is dropped
+    (-1, 0.81, [1, 2, 3]),
+    (3, 0.81, [1, 2, 3]),
+    (1, 1.0, [1]),
+])
+def test_top_k_top_p_keep_hand_computed_sets(top_k, top_p, kept):
+    assert _kept(top_k, top_p) == kept
+
+
+def test_temperature_scaled_logprobs():
+    logits = torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0]])
+    lp = token_logprobs(logits, torch.tensor([2.0, 0.0]))
+    z = math.exp(0.5) + math.exp(1.0) + math.exp(2.0)
+    assert lp[0, 2].item() == pytest.approx(2.0 - math.log(z), abs=1e-6)
+    z1 = math.exp(1.0) + math.exp(2.0) + math.exp(4.0)  # temperature 0 -> unscaled
+    assert lp[1, 2].item() == pytest.approx(4.0 - math.log(z1), abs=1e-6)
+
+
+def test_sampling_follows_the_filtered_distribution():
+    cfg = SamplingConfig(top_k=2)
+    gen = torch.Generator().manual_seed(0)
+    rows = PROBS.log().expand(4000, 4)
+    tokens = sample_next(rows, [cfg] * 4000, [gen] * 4000)
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=0.03, rtol=0)
+    greedy = sample_next(rows[:3], [SamplingConfig(temperature=0.0)] * 3, [gen] * 3)
+    assert greedy.tolist() == [1, 1, 1]
+
+
+def test_earliest_stop_string_wins():
+    assert find_stop_string("abc STOP def END", ["END", "STOP"]) == (4, "STOP")
+    assert find_stop_string("abc", ["x"]) is None
+
+
+@pytest.mark.parametrize("params, field", [
+    ("x", "sampling_params must be a JSON object"),
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+])
+def test_bad_sampling_params_name_the_field(params, field):
+    with pytest.raises(RequestError, match=field):
+        SamplingConfig.from_request(params)
+
+
+def test_single_stop_string_accepted():
+    assert SamplingConfig.from_request({"stop": "END"}).stop == ["END"]
