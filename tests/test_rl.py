@@ -59,7 +59,8 @@ def _hand_step(rank, world, hf_dir):
     assert all(abs(a - w) < 1e-4 for a, w in zip(batch.advantages, want_adv))
 
     cfg = RLConfig(hf_checkpoint=str(hf_dir), prompt_data="unused", tensor_model_parallel_size=world,
-                   mini_batch_size=2, rollout_batch_size=2, global_batch_size=4, micro_batch_size=2)
+                   mini_batch_size=2, rollout_batch_size=2, n_samples_per_prompt=2,
+                   micro_batch_size=2)
     arch = qwen3_config_from_hf(load_hf_config(hf_dir))
     engine = build_engine(cfg, arch, with_optimizer=False)
     load_hf_weights(engine.model, arch, SafetensorsReader(hf_dir))
@@ -123,7 +124,7 @@ def _rl_args(hf, data, save, iters, *extra):
     return ["--hf-checkpoint", str(hf), "--prompt-data", str(data), "--save", str(save),
             "--reward", "tests.reward_plugins:parity_reward", "--rollout-batch-size", "4",
             "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
-            "--global-batch-size", "8", "--rollout-max-response-len", "12", "--lr", "1e-3",
+            "--rollout-max-response-len", "12", "--lr", "1e-3",
             "--train-iters", str(iters), "--seed", "3", "--no-progress-bar", *extra]
 
 
@@ -137,9 +138,12 @@ def _rl_train(rank, world, argv):
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
                                     ["--pipeline-model-parallel-size", "2"]], ids=["tp2", "pp2"])
 def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
-    hist = run_distributed(_rl_train, 2, _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout),
-                           timeout=400)[0]
+    args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, "--eval-data", str(prompts),
+                    "--eval-interval", "2", "--eval-k", "2")
+    hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
     assert len(hist) == 3
+    assert "eval/avg@2" not in hist[0] and hist[1]["eval/problems"] == 12  # periodic eval
+    assert 0.0 <= hist[1]["eval/avg@2"] <= hist[1]["eval/pass@2"] <= 0.5  # "never" half is 0
     for m in hist:
         assert m["rollout/groups_kept"] == 4  # refilled to the full batch ...
         assert m["rollout/prompts_drawn"] > 4  # ... past the "never" groups it dropped

@@ -18,7 +18,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.algo.losses import sft_loss
-from megatron_klear.config import ConfigError, TrainConfig, opt, parse_config, to_dict
+from megatron_klear.config import ConfigError, TrainConfig, dry_run, opt, parse_config, to_dict
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.train.engine import Engine, broadcast_from_last_stage, build_engine, \
@@ -64,6 +64,8 @@ class RLConfig(TrainConfig):
     export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
 
     def validate(self) -> None:  # noqa: D102
+        # sequences per optimizer step follow from the mini-batch of prompts
+        self.global_batch_size = self.mini_batch_size * self.n_samples_per_prompt
         super().validate()
         for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
             if not getattr(self, name):
@@ -241,6 +243,8 @@ def train(cfg: RLConfig) -> list[dict]:
             metrics = rl_step(engine, cfg, client, tokenizer, stream, params)
             step += 1
             metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
+            if cfg.eval_data and cfg.eval_interval and step % cfg.eval_interval == 0:
+                metrics.update(periodic_eval(cfg, client, tokenizer))
             metrics["data/consumed_prompts"] = stream.consumed
             log.log(step, metrics)
             history.append(metrics)
@@ -295,6 +299,25 @@ def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> di
     return metrics
 
 
+def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
+    """avg@k / pass@k of the current policy on ``--eval-data`` (rank 0 evaluates)."""
+    from megatron_klear.eval.evaluate import Benchmark, evaluate
+    from megatron_klear.rollout.client import SamplingParams
+
+    report = None
+    if torch.distributed.get_rank() == 0:
+        bench = Benchmark(name="eval", path=cfg.eval_data, reward=cfg.reward,
+                          prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                          answer_format=cfg.answer_format)
+        params = SamplingParams(max_new_tokens=cfg.rollout_max_response_len,
+                                temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
+                                stop_token_ids=[tokenizer.eos_token_id])
+        report = evaluate(client, tokenizer, [bench], k=cfg.eval_k, params=params,
+                          progress=False)["eval"]
+    report = broadcast_batch(report)
+    return {f"eval/{k}": v for k, v in report.items()}
+
+
 def save(engine: Engine, step: int, consumed: int) -> None:
     """Checkpoint the full training state with the prompt-stream position."""
     from megatron_klear.checkpoint.state import save_checkpoint
@@ -310,7 +333,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``klear-rl``: parse flags, run RL, exit non-zero with a clear message on bad input."""
     from megatron_klear.cli import run_main
 
-    run_main(lambda: train(parse_config(RLConfig, argv, prog="klear-rl")))
+    def run():
+        cfg = parse_config(RLConfig, argv, prog="klear-rl")
+        return dry_run(cfg) if cfg.dry_run else train(cfg)
+
+    run_main(run)
 
 
 if __name__ == "__main__":

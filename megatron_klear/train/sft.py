@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.config import ConfigError, TrainConfig, opt, parse_config, to_dict
+from megatron_klear.config import ConfigError, TrainConfig, dry_run, opt, parse_config, to_dict
 from megatron_klear.data.packing import build_packed_batch, pack_greedy
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
@@ -163,7 +163,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``klear-sft``: parse flags, run SFT, exit non-zero with a clear message on bad input."""
     from megatron_klear.cli import run_main
 
-    run_main(lambda: train(parse_config(SFTConfig, argv, prog="klear-sft")))
+    def run():
+        cfg = parse_config(SFTConfig, argv, prog="klear-sft")
+        return dry_run(cfg) if cfg.dry_run else train(cfg)
+
+    run_main(run)
 
 
 if __name__ == "__main__":
