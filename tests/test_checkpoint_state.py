@@ -38,7 +38,8 @@ def _setup(tp: int, pp: int, hf_dir: Path):
     hf_bridge.load_hf_weights([gpt], arch, convert.SafetensorsReader(hf_dir))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), module=gpt)
     config.finalize_model_grads_func = finalize_model_grads
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01,
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3,
+                                                 weight_decay=0.01,
                                                  use_distributed_optimizer=False), [ddp])
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3,
                                     lr_warmup_steps=2, lr_decay_steps=8,

@@ -222,7 +222,8 @@ def _cli(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
 def test_clis_convert_both_ways_and_gate_on_parity(hf_dirs, tmp_path):
     hf, other = str(hf_dirs[False]), str(hf_dirs[True])
     mg, back = str(tmp_path / "mg"), str(tmp_path / "back")
-    r = _cli("convert_hf_to_megatron.py", "--hf-dir", hf, "--out-dir", mg, "--dtype", "fp32")
+    r = _cli("convert_hf_to_megatron.py", "--hf-dir", hf, "--out-dir", mg, "--dtype", "fp32",
+             "--tp", "2", nproc=2)
     assert r.returncode == 0, r.stderr
     r = _cli("compare_logits.py", "--hf-dir", hf, "--megatron-dir", mg, "--pp", "2", nproc=2)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -1,7 +1,8 @@
 """Hugging Face <-> Megatron conversion and the logit parity check behind the tools/ CLIs.
 
 * :func:`convert_hf_to_megatron` reads safetensors shards one at a time (memory-mapped,
-  closed before the next) into the Megatron model of this rank's pipeline stage and writes iteration 0 of a training checkpoint (model only) with
+  closed before the next) into the Megatron model of this rank's TP/PP shard and writes
+  iteration 0 of a training checkpoint (model only) with
   :func:`~megatron_klear.checkpoint.state.save_checkpoint`; ``torch_dist`` makes it
   loadable at any TP/PP layout, and ``--load`` of a trainer starts from it.
 * :func:`convert_megatron_to_hf` loads a checkpoint at TP1/PP1 (dist_checkpointing
@@ -26,8 +27,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_klear.checkpoint import hf_bridge
-from megatron_klear.checkpoint.state import (CheckpointError, find_latest_checkpoint,
-                                             load_checkpoint, read_meta, save_checkpoint)
+from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint, read_meta,
+                                             save_checkpoint)
 from megatron_klear.models import qwen3
 
 __all__ = ["ConversionError", "DTYPES", "convert_hf_to_megatron", "convert_megatron_to_hf",

@@ -9,8 +9,9 @@ the Transformer Engine spec (where the input/pre-MLP RMSNorms are fused into
 full tensor is split over tensor-parallel ranks and merged back:
 
 * ``replicated`` -- every TP rank holds the full tensor (norms);
-* ``column`` / ``row`` -- split on the output (0) / input (1) dimension;
-* ``vocab`` -- column split after zero-padding the vocabulary to Megatron's padded size;
+* ``row`` -- split on the input dimension (1);
+* ``vocab`` -- split on the output dimension (0) after zero-padding the vocabulary to
+  Megatron's padded size;
 * ``qkv`` -- q/k/v stacked per query group ([q heads of the group, k, v]), then split;
 * ``gate_up`` -- each rank holds [gate shard; up shard], so halves regroup per rank.
 
@@ -108,8 +109,6 @@ def split_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int
     """This TP rank's shard of the Megatron parameter built from full HF tensors."""
     if kind == "replicated":
         return full[0]
-    if kind == "column":
-        return full[0].chunk(tp, dim=0)[rank]
     if kind == "row":
         return full[0].chunk(tp, dim=1)[rank]
     if kind == "vocab":
@@ -135,8 +134,6 @@ def merge_shards(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list
     """The full HF tensors (in ``Rule.hf`` order) from all TP ranks' shards, rank order."""
     if kind == "replicated":
         return [shards[0]]
-    if kind == "column":
-        return [torch.cat(shards, dim=0)]
     if kind == "row":
         return [torch.cat(shards, dim=1)]
     if kind == "vocab":
