@@ -78,7 +78,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--sft-iters", type=int, default=300)
-    p.add_argument("--rl-iters", type=int, default=20)
+    p.add_argument("--rl-iters", type=int, default=40)
     p.add_argument("--rl-lr", type=float, default=2e-4)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--dry-run", action="store_true", help="validate both trainer configs, then stop")

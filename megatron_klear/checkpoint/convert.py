@@ -372,24 +372,9 @@ def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1,
 
 def hf_logits(hf_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
     """transformers' Qwen3ForCausalLM logits (fp32, eager attention): the reference."""
-    model = _hf_qwen3_class().from_pretrained(str(hf_dir), dtype=torch.float32,
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
                                              attn_implementation="eager").eval()
     with torch.no_grad():
         return model(input_ids).logits.float()
-
-
-def _hf_qwen3_class() -> type:
-    """transformers' Qwen3ForCausalLM, importable after platform.setup().
-
-    platform.py replaces ``torch.cuda.Stream`` by a function, and transformers evaluates
-    ``torch.cuda.Stream | None`` at import time; the real class is put back for the import.
-    """
-    import torch.cuda.streams
-
-    patched = torch.cuda.Stream
-    torch.cuda.Stream = torch.cuda.streams.Stream
-    try:
-        from transformers import Qwen3ForCausalLM
-    finally:
-        torch.cuda.Stream = patched
-    return Qwen3ForCausalLM
