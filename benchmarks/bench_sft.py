@@ -32,7 +32,6 @@ def gsm8k_samples(path: Path, tokenizer, limit: int):
 
 
 def train_tokens_per_s(samples, seq_length: int, packed: bool, steps: int, bins_per_step: int):
-    import torch
 
     from megatron_klear.config import TrainConfig
     from megatron_klear.data.packing import build_packed_batch, pack_greedy

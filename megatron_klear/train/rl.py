@@ -9,7 +9,6 @@ token-level mean over the mini-batch -> weight sync to the rollout servers.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.algo.losses import sft_loss
-from megatron_klear.config import ConfigError, TrainConfig, dry_run, opt, parse_config, to_dict
+from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.train.engine import Engine, broadcast_from_last_stage, build_engine, \
@@ -250,13 +249,11 @@ def train(cfg: RLConfig) -> list[dict]:
             history.append(metrics)
             if cfg.save and (step == cfg.train_iters or
                              (cfg.save_interval and step % cfg.save_interval == 0)):
-                save(engine, step, stream.consumed)
+                engine.save(step, {"consumed_prompts": stream.consumed})
         sync.close()
     log.close()
     if cfg.export_hf:
-        from megatron_klear.checkpoint.convert import export_model_to_hf
-
-        export_model_to_hf(engine.model, arch, cfg.export_hf, tokenizer_dir=cfg.hf_checkpoint)
+        engine.export_hf(cfg.export_hf, cfg.hf_checkpoint)
     return history
 
 
@@ -318,26 +315,11 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
     return {f"eval/{k}": v for k, v in report.items()}
 
 
-def save(engine: Engine, step: int, consumed: int) -> None:
-    """Checkpoint the full training state with the prompt-stream position."""
-    from megatron_klear.checkpoint.state import save_checkpoint
-
-    cfg = engine.cfg
-    save_checkpoint(cfg.save, step, engine.model, optimizer=engine.optimizer,
-                    scheduler=engine.scheduler,
-                    extra={"consumed_prompts": consumed, "config": to_dict(cfg)},
-                    hf_config=engine.arch.hf_config, keep_last=cfg.keep_last)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """``klear-rl``: parse flags, run RL, exit non-zero with a clear message on bad input."""
-    from megatron_klear.cli import run_main
+    from megatron_klear.cli import trainer_main
 
-    def run():
-        cfg = parse_config(RLConfig, argv, prog="klear-rl")
-        return dry_run(cfg) if cfg.dry_run else train(cfg)
-
-    run_main(run)
+    trainer_main(RLConfig, train, argv, "klear-rl")
 
 
 if __name__ == "__main__":
