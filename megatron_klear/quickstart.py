@@ -93,7 +93,7 @@ def main() -> None:
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True)
     t0 = time.time()
-    base = save_tiny_hf_model(out / "base_hf", seed=args.seed)
+    save_tiny_hf_model(out / "base_hf", seed=args.seed)
     data = write_arithmetic_data(out / "data", seed=args.seed)
     _run(_torchrun(2, "megatron_klear.train.sft", sft_args(out, args)), out / "logs" / "sft.log")
     before = _eval(out / "sft_hf", data["eval"], out / "eval_before", args.eval_k, args.seed)
