@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
                launch_embedded_servers(str(hf_dir), args.num_servers, seed=args.seed))
     with servers:
         report = evaluate(RolloutClient(servers.urls), tokenizer, benches, k=args.k,
-                          params=params, samples_path=out / "samples.jsonl")
+                          params=params, samples_path=out / "samples.jsonl", seed=args.seed)
     write_report(report, out, {"model": str(args.model), "k": args.k,
                                "temperature": args.temperature, "top_p": args.top_p,
                                "max_new_tokens": args.max_new_tokens})
