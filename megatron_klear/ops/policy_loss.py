@@ -210,9 +210,10 @@ class _FusedLogProbs(torch.autograd.Function):
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
         grad_ent = None if grad_entropy is None else grad_entropy.float().contiguous()
-        grad = _extension_ops().logprob_backward(
-            logits, target_local, lse, entropy, grad_logp.float().contiguous(), grad_ent,
-            ctx.valid, ctx.inv_temp, ctx.inplace)
+        ops = _extension_ops()
+        backward = ops.logprob_backward_ if ctx.inplace else ops.logprob_backward
+        grad = backward(logits, target_local, lse, entropy, grad_logp.float().contiguous(),
+                        grad_ent, ctx.valid, ctx.inv_temp)
         return grad, None, None, None, None
 
 
