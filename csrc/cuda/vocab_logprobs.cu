@@ -42,6 +42,7 @@ __device__ __forceinline__ Online merge(Online a, Online b) {
 }
 
 __device__ __forceinline__ Online push(Online a, float x) {
+  if (x == -INFINITY) return a;  // masked logit: adds nothing (and -inf - -inf would be NaN)
   if (x > a.m) {  // rescale the running sums to the new max (rare after the first elements)
     if (a.d > 0.0f) {
       const float sc = expf(a.m - x);
