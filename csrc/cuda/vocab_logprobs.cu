@@ -118,7 +118,8 @@ __global__ void backward_kernel(const T* logits, T* grad, int64_t vocab,
     if (j < valid) {
       const float z = to_float(x[j]) * inv_temp - l;
       const float p = expf(z);
-      out = gl * ((j == t ? 1.0f : 0.0f) - p) - ge * p * (z + h);
+      const float plogp = p > 0.0f ? p * (z + h) : 0.0f;  // 0 log 0 = 0 for -inf logits
+      out = gl * ((j == t ? 1.0f : 0.0f) - p) - ge * plogp;
     }
     g[j] = from_float<T>(out * inv_temp);
   }

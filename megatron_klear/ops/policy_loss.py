@@ -165,8 +165,8 @@ def _reference_logprobs(logits: Tensor, targets: Tensor, shard: _Shard, temperat
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if not compute_entropy:
         return logp, None
-    finite = logp_all.masked_fill(padding, 0.0)   # 0 * -inf would poison the gradient
-    return logp, -(finite.exp() * finite).masked_fill(padding, 0.0).sum(-1)
+    finite = torch.where(torch.isinf(logp_all), 0.0, logp_all)   # p log p = 0 where p = 0
+    return logp, -(logp_all.exp() * finite).sum(-1)
 
 
 # --------------------------------------------------------------------------- fused kernels
