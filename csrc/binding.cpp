@@ -79,9 +79,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cpu(
 
 TORCH_LIBRARY(klear, m) {
   m.def("logprob_stats(Tensor logits, Tensor target_local, int valid, float inv_temp) -> Tensor");
-  m.def("logprob_backward(Tensor(a!) logits, Tensor target_local, Tensor lse, Tensor entropy, "
-        "Tensor grad_logp, Tensor? grad_entropy, int valid, float inv_temp, bool inplace) -> "
-        "Tensor");
+  m.def("logprob_backward(Tensor logits, Tensor target_local, Tensor lse, Tensor entropy, "
+        "Tensor grad_logp, Tensor? grad_entropy, int valid, float inv_temp) -> Tensor");
+  m.def("logprob_backward_(Tensor(a!) logits, Tensor target_local, Tensor lse, Tensor entropy, "
+        "Tensor grad_logp, Tensor? grad_entropy, int valid, float inv_temp) -> Tensor(a!)");
   m.def("token_policy_loss(Tensor logp, Tensor old_logp, Tensor adv, int loss_type, "
         "float eps_low, float eps_high, float beta1, float beta2, float dual_clip) -> "
         "(Tensor, Tensor, Tensor)");
@@ -89,7 +90,8 @@ TORCH_LIBRARY(klear, m) {
 
 TORCH_LIBRARY_IMPL(klear, CPU, m) {
   m.impl("logprob_stats", &stats_cpu);
-  m.impl("logprob_backward", &backward_cpu);
+  m.impl("logprob_backward", &klear::backward_out_of_place<&backward_cpu>);
+  m.impl("logprob_backward_", &klear::backward_inplace<&backward_cpu>);
   m.impl("token_policy_loss", &token_loss_cpu);
 }
 

@@ -85,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cuda(
 
 TORCH_LIBRARY_IMPL(klear, CUDA, m) {
   m.impl("logprob_stats", &stats_cuda);
-  m.impl("logprob_backward", &backward_cuda);
+  m.impl("logprob_backward", &klear::backward_out_of_place<&backward_cuda>);
+  m.impl("logprob_backward_", &klear::backward_inplace<&backward_cuda>);
   m.impl("token_policy_loss", &token_loss_cuda);
 }
 

@@ -164,3 +164,30 @@ def test_python_registered_loss_runs_on_fused_logprobs(device, backend):
         assert_match(got, ref, torch.float32, "python-registered loss")
     finally:
         del POLICY_LOSSES["gppo_python_copy"]
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_logits_shared_with_another_loss_term(device, backend):
+    """The out-of-place backward leaves the logits intact for other terms that saved them."""
+    inp = {k: v.to(device) for k, v in make_inputs(12, 64).items()}
+    grads = []
+    for b in (backend, "torch"):
+        x = inp["logits"].clone().requires_grad_(True)
+        y = x * 1.0
+        out = vocab_parallel_policy_loss(y, inp["targets"], inp["old"], inp["adv"], inp["mask"],
+                                         backend=b)
+        (out.loss + 1e-3 * (y ** 2).sum()).backward()
+        grads.append(x.grad.cpu())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_minus_inf_logits_give_finite_outputs(device, backend):
+    """Logits masked to -inf by the caller (not padding) behave as probability 0."""
+    inp = make_inputs(16, 80)
+    inp["logits"][:, 40:50] = float("-inf")
+    inp["targets"] = inp["targets"] % 40
+    ref = run_op(inp, inp["logits"], backend="torch", device=device, temperature=0.9)
+    got = run_op(inp, inp["logits"], backend=backend, device=device, temperature=0.9)
+    assert_match(got, ref, torch.float32, "-inf logits")
+    assert torch.count_nonzero(got["grad"][:, 40:50]) == 0

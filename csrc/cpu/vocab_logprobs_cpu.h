@@ -30,7 +30,7 @@ inline bool cpu_has_avx2() {
 }
 #endif
 
-// exp(x) for x <= 0 (arguments below -87 give ~0): Cody-Waite reduction + Cephes polynomial,
+// exp(x) for x <= 0 (arguments below -87 give 0): Cody-Waite reduction + Cephes polynomial,
 // plain arithmetic so that `omp simd` loops vectorise (libm's expf does not without -ffast-math).
 #if defined(__GNUC__)
 #define KLEAR_INLINE inline __attribute__((always_inline))
@@ -38,8 +38,8 @@ inline bool cpu_has_avx2() {
 #define KLEAR_INLINE inline
 #endif
 
-KLEAR_INLINE float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);
+KLEAR_INLINE float exp_nonpos(float x_in) {
+  const float x = x_in < -87.0f ? -87.0f : (x_in > 0.0f ? 0.0f : x_in);
   const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
   float r = x - k * 0.693359375f;
   r = r + k * 2.12194440e-4f;
@@ -53,7 +53,7 @@ KLEAR_INLINE float exp_nonpos(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
+  return x_in < -87.0f ? 0.0f : y * scale;   // exactly 0 below -87 (and for -inf)
 }
 
 // bfloat16 storage (layout of c10::BFloat16 / __nv_bfloat16). Its conversions are written out
@@ -101,7 +101,7 @@ KLEAR_INLINE void row_stats_body(const T* row, int64_t valid, int64_t target, fl
   for (int64_t j = 0; j < valid; ++j) {
     const float z = to_float(row[j]) * inv_temp - m;
     const float zc = z < -87.0f ? -87.0f : z;   // keeps e * z finite for -inf logits
-    const float e = exp_nonpos(zc);
+    const float e = exp_nonpos(z);   // 0 below -87: -inf logits add nothing
     d += e;
     s += e * zc;
   }
@@ -125,7 +125,7 @@ KLEAR_INLINE void row_backward_body(const T* row, T* grad, int64_t vocab, int64_
     const float z = to_float(row[j]) * inv_temp - lse;
     const float p = exp_nonpos(z);
     float g = -g_logp * p;
-    if constexpr (kEntropy) g -= g_ent * p * (z + entropy);
+    if constexpr (kEntropy) g -= g_ent * (p > 0.0f ? p * (z + entropy) : 0.0f);  // 0 log 0 = 0
     grad[j] = from_float<T>(g * inv_temp);
   }
   for (int64_t j = valid; j < vocab; ++j) grad[j] = from_float<T>(0.0f);

@@ -42,6 +42,7 @@ __device__ __forceinline__ Online merge(Online a, Online b) {
 }
 
 __device__ __forceinline__ Online push(Online a, float x) {
+  if (x == -INFINITY) return a;  // masked logit: adds nothing (and -inf - -inf would be NaN)
   if (x > a.m) {  // rescale the running sums to the new max (rare after the first elements)
     if (a.d > 0.0f) {
       const float sc = expf(a.m - x);
@@ -117,7 +118,8 @@ __global__ void backward_kernel(const T* logits, T* grad, int64_t vocab,
     if (j < valid) {
       const float z = to_float(x[j]) * inv_temp - l;
       const float p = expf(z);
-      out = gl * ((j == t ? 1.0f : 0.0f) - p) - ge * p * (z + h);
+      const float plogp = p > 0.0f ? p * (z + h) : 0.0f;  // 0 log 0 = 0 for -inf logits
+      out = gl * ((j == t ? 1.0f : 0.0f) - p) - ge * plogp;
     }
     g[j] = from_float<T>(out * inv_temp);
   }

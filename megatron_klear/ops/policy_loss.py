@@ -165,8 +165,8 @@ def _reference_logprobs(logits: Tensor, targets: Tensor, shard: _Shard, temperat
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if not compute_entropy:
         return logp, None
-    finite = logp_all.masked_fill(padding, 0.0)   # 0 * -inf would poison the gradient
-    return logp, -(finite.exp() * finite).masked_fill(padding, 0.0).sum(-1)
+    finite = torch.where(torch.isinf(logp_all), 0.0, logp_all)   # p log p = 0 where p = 0
+    return logp, -(logp_all.exp() * finite).sum(-1)
 
 
 # --------------------------------------------------------------------------- fused kernels
@@ -210,9 +210,10 @@ class _FusedLogProbs(torch.autograd.Function):
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
         grad_ent = None if grad_entropy is None else grad_entropy.float().contiguous()
-        grad = _extension_ops().logprob_backward(
-            logits, target_local, lse, entropy, grad_logp.float().contiguous(), grad_ent,
-            ctx.valid, ctx.inv_temp, ctx.inplace)
+        ops = _extension_ops()
+        backward = ops.logprob_backward_ if ctx.inplace else ops.logprob_backward
+        grad = backward(logits, target_local, lse, entropy, grad_logp.float().contiguous(),
+                        grad_ent, ctx.valid, ctx.inv_temp)
         return grad, None, None, None, None
 
 
