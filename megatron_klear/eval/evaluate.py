@@ -35,9 +35,10 @@ class Benchmark:
 
 
 def parse_benchmark(spec: str, **defaults: Any) -> Benchmark:
-    """``name=path[:reward]`` or a bare path (name = file stem)."""
-    name, _, rest = spec.rpartition("=") if "=" in spec else ("", "", spec)
-    path, _, reward = rest.partition(":") if rest.count(":") == 1 else (rest, "", "")
+    """``[name=]path[@reward]``: name defaults to the file stem, reward to ``math``
+    (``code``, or an import path ``pkg.module:function``)."""
+    name, _, rest = spec.partition("=") if "=" in spec else ("", "", spec)
+    path, _, reward = rest.partition("@")
     fields = dict(defaults)
     if reward:
         fields["reward"] = reward

@@ -144,7 +144,7 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, beta1=cfg.gppo_beta1,
             beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip, temperature=cfg.rollout_temperature,
             normalizer=max(n_tokens, 1.0), compute_entropy=False, tp_group=tp_group,
-            vocab_size=vocab_size)
+            vocab_size=vocab_size, inplace_backward=True)  # logits are not read after backward
         sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
         loss = out.loss + cfg.sft_alpha * sft
         tokens = mask.sum()
