@@ -102,7 +102,7 @@ def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_i
             d["positive"][r, lo:hi] = float(batch.rewards[i] >= 1.0)
             d["rollout_logprobs"][r, lo:hi] = torch.tensor(batch.rollout_logprobs[i][:hi - lo])
         d.update(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
-                 position_ids=torch.arange(seq_len).expand(b, seq_len), rows=torch.tensor(chunk))
+                 position_ids=torch.arange(seq_len).expand(b, seq_len))
         out.append(d)
     return out
 
@@ -203,11 +203,10 @@ def rollout_servers(cfg: RLConfig):
     elif torch.distributed.get_rank() == 0:
         with launch_embedded_servers(cfg.hf_checkpoint, cfg.rollout_num_servers,
                                      seed=cfg.seed) as servers:
-            urls = broadcast_batch(servers.urls)
+            broadcast_batch(servers.urls)
             yield servers
     else:
-        urls = broadcast_batch(None)
-        yield connect(urls)
+        yield connect(broadcast_batch(None))
 
 
 def train(cfg: RLConfig) -> list[dict]:
@@ -272,9 +271,10 @@ def rl_step(engine: Engine, cfg: RLConfig, client: Any, tokenizer: Any, stream: 
     metrics = dict(batch.stats)
     metrics["time/rollout_s"] = t_rollout
     metrics["data/prompt_indices"] = sorted(set(batch.prompt_index))
-    if batch.groups() == 0:  # every group was uninformative: nothing to learn this step
+    usable = batch.groups() // cfg.mini_batch_size * cfg.mini_batch_size
+    if usable == 0:  # fewer informative groups than one mini-batch even after refilling
+        metrics["train/skipped_step"] = 1.0
         return metrics
-    usable = batch.groups() // cfg.mini_batch_size * cfg.mini_batch_size or batch.groups()
     batch = batch.select_groups(range(usable))
     metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id))
     return metrics
