@@ -11,7 +11,6 @@ import atexit
 import ctypes
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
