@@ -11,13 +11,23 @@
 
 namespace {
 
+// CPU kernel storage type of a torch scalar type (bf16 gets vectorisable conversions; fp16
+// goes through c10::Half's scalar conversions: correct, not fast).
+template <typename S> struct Storage { using type = S; };
+template <> struct Storage<c10::BFloat16> { using type = klear::cpu::bf16_t; };
+
+template <typename S> using storage_t = typename Storage<S>::type;
+static_assert(sizeof(klear::cpu::bf16_t) == sizeof(c10::BFloat16));
+
 at::Tensor stats_cpu(const at::Tensor& logits, const at::Tensor& target_local, int64_t valid,
                      double inv_temp) {
   klear::check_rows(logits, target_local, valid);
   auto stats = at::empty({logits.size(0), 4}, logits.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "klear_stats",
                                   [&] {
-    klear::cpu::logprob_stats(logits.const_data_ptr<scalar_t>(), logits.size(0), logits.size(1),
+    using S = storage_t<scalar_t>;
+    klear::cpu::logprob_stats(reinterpret_cast<const S*>(logits.const_data_ptr()),
+                              logits.size(0), logits.size(1),
                               target_local.const_data_ptr<int64_t>(), valid,
                               static_cast<float>(inv_temp), stats.mutable_data_ptr<float>());
   });
@@ -39,8 +49,9 @@ at::Tensor backward_cpu(const at::Tensor& logits, const at::Tensor& target_local
   if (grad_entropy.has_value()) ge = grad_entropy->contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "klear_bwd",
                                   [&] {
-    klear::cpu::logprob_backward(logits.const_data_ptr<scalar_t>(),
-                                 grad.mutable_data_ptr<scalar_t>(), logits.size(0),
+    using S = storage_t<scalar_t>;
+    klear::cpu::logprob_backward(reinterpret_cast<const S*>(logits.const_data_ptr()),
+                                 reinterpret_cast<S*>(grad.mutable_data_ptr()), logits.size(0),
                                  logits.size(1), target_local.const_data_ptr<int64_t>(), valid,
                                  static_cast<float>(inv_temp), lse_c.const_data_ptr<float>(),
                                  ent_c.const_data_ptr<float>(), gl.const_data_ptr<float>(),
@@ -68,9 +79,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cpu(
 
 TORCH_LIBRARY(klear, m) {
   m.def("logprob_stats(Tensor logits, Tensor target_local, int valid, float inv_temp) -> Tensor");
-  m.def("logprob_backward(Tensor(a!) logits, Tensor target_local, Tensor lse, Tensor entropy, "
-        "Tensor grad_logp, Tensor? grad_entropy, int valid, float inv_temp, bool inplace) -> "
-        "Tensor");
+  m.def("logprob_backward(Tensor logits, Tensor target_local, Tensor lse, Tensor entropy, "
+        "Tensor grad_logp, Tensor? grad_entropy, int valid, float inv_temp) -> Tensor");
+  m.def("logprob_backward_(Tensor(a!) logits, Tensor target_local, Tensor lse, Tensor entropy, "
+        "Tensor grad_logp, Tensor? grad_entropy, int valid, float inv_temp) -> Tensor(a!)");
   m.def("token_policy_loss(Tensor logp, Tensor old_logp, Tensor adv, int loss_type, "
         "float eps_low, float eps_high, float beta1, float beta2, float dual_clip) -> "
         "(Tensor, Tensor, Tensor)");
@@ -78,7 +90,8 @@ TORCH_LIBRARY(klear, m) {
 
 TORCH_LIBRARY_IMPL(klear, CPU, m) {
   m.impl("logprob_stats", &stats_cpu);
-  m.impl("logprob_backward", &backward_cpu);
+  m.impl("logprob_backward", &klear::backward_out_of_place<&backward_cpu>);
+  m.impl("logprob_backward_", &klear::backward_inplace<&backward_cpu>);
   m.impl("token_policy_loss", &token_loss_cpu);
 }
 

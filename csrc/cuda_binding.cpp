@@ -3,7 +3,7 @@
 // unless setup.py found CUDA torch + nvcc and defined KLEAR_WITH_CUDA.
 #ifdef KLEAR_WITH_CUDA
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -20,6 +20,7 @@ int klear_dtype(const at::Tensor& t) {
     default: TORCH_CHECK(false, "klear: logits must be float32, bfloat16 or float16, got ",
                          t.scalar_type());
   }
+  return -1;
 }
 
 void check(cudaError_t err, const char* what) {
@@ -34,7 +35,7 @@ at::Tensor stats_cuda(const at::Tensor& logits, const at::Tensor& target_local, 
   check(klear_logprob_stats_cuda(klear_dtype(logits), logits.const_data_ptr(), logits.size(0),
                                  logits.size(1), target_local.const_data_ptr<int64_t>(), valid,
                                  static_cast<float>(inv_temp), stats.mutable_data_ptr<float>(),
-                                 at::cuda::getCurrentCUDAStream()),
+                                 c10::cuda::getCurrentCUDAStream()),
         "logprob_stats");
   return stats;
 }
@@ -56,7 +57,7 @@ at::Tensor backward_cuda(const at::Tensor& logits, const at::Tensor& target_loca
                                     static_cast<float>(inv_temp), lse_c.const_data_ptr<float>(),
                                     ent_c.const_data_ptr<float>(), gl.const_data_ptr<float>(),
                                     ge ? ge->const_data_ptr<float>() : nullptr,
-                                    at::cuda::getCurrentCUDAStream()),
+                                    c10::cuda::getCurrentCUDAStream()),
         "logprob_backward");
   return grad;
 }
@@ -75,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cuda(
                                      loss.mutable_data_ptr<float>(),
                                      dlogp.mutable_data_ptr<float>(),
                                      ratio.mutable_data_ptr<float>(),
-                                     at::cuda::getCurrentCUDAStream()),
+                                     c10::cuda::getCurrentCUDAStream()),
         "token_policy_loss");
   return {loss, dlogp, ratio};
 }
@@ -84,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cuda(
 
 TORCH_LIBRARY_IMPL(klear, CUDA, m) {
   m.impl("logprob_stats", &stats_cuda);
-  m.impl("logprob_backward", &backward_cuda);
+  m.impl("logprob_backward", &klear::backward_out_of_place<&backward_cuda>);
+  m.impl("logprob_backward_", &klear::backward_inplace<&backward_cuda>);
   m.impl("token_policy_loss", &token_loss_cuda);
 }
 

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 #include "policy_loss_math.h"
 
 namespace klear {
@@ -33,6 +35,32 @@ inline TokenLossParams token_params(int64_t loss_type, double eps_low, double ep
   TORCH_CHECK(loss_type >= kPPO && loss_type <= kCISPO, "klear: unknown loss_type ", loss_type);
   return {static_cast<int>(loss_type), static_cast<float>(eps_low), static_cast<float>(eps_high),
           static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(dual_clip)};
+}
+
+// The backward op comes in two schemas, `logprob_backward` (new gradient tensor) and
+// `logprob_backward_` (gradient written into the logits, declared as mutating them); both wrap
+// one device implementation `Impl(..., inplace)`.
+using BackwardImpl = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, const at::Tensor&,
+                                    const std::optional<at::Tensor>&, int64_t, double, bool);
+
+template <BackwardImpl Impl>
+at::Tensor backward_out_of_place(const at::Tensor& logits, const at::Tensor& target_local,
+                                 const at::Tensor& lse, const at::Tensor& entropy,
+                                 const at::Tensor& grad_logp,
+                                 const std::optional<at::Tensor>& grad_entropy, int64_t valid,
+                                 double inv_temp) {
+  return Impl(logits, target_local, lse, entropy, grad_logp, grad_entropy, valid, inv_temp, false);
+}
+
+template <BackwardImpl Impl>
+at::Tensor& backward_inplace(at::Tensor& logits, const at::Tensor& target_local,
+                             const at::Tensor& lse, const at::Tensor& entropy,
+                             const at::Tensor& grad_logp,
+                             const std::optional<at::Tensor>& grad_entropy, int64_t valid,
+                             double inv_temp) {
+  Impl(logits, target_local, lse, entropy, grad_logp, grad_entropy, valid, inv_temp, true);
+  return logits;
 }
 
 }  // namespace klear

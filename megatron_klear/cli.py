@@ -26,6 +26,17 @@ def run_main(fn: Callable[[], Any]) -> Any:
         _shutdown()
 
 
+def trainer_main(cfg_cls: type, train: Callable[[Any], Any], argv, prog: str) -> None:
+    """Parse a trainer's flags, then validate only (--dry-run) or train."""
+    from megatron_klear.config import dry_run, parse_config
+
+    def run():
+        cfg = parse_config(cfg_cls, argv, prog=prog)
+        return dry_run(cfg) if cfg.dry_run else train(cfg)
+
+    run_main(run)
+
+
 def _shutdown() -> None:
     import torch.distributed as dist
 

@@ -111,7 +111,7 @@ def _patch_cuda_module() -> None:
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
     cuda.current_stream = lambda *a, **k: _NullStream()
-    cuda.Stream = lambda *a, **k: _NullStream()
+    cuda.Stream = _NullStream  # a class: annotations like `torch.cuda.Stream | None` work
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     cuda.Event = _NullEvent
     # RNG: megatron's tracker keeps "CUDA" generator states; the CPU generator stands in.
@@ -134,6 +134,9 @@ def _patch_megatron_rng() -> None:
 
 
 class _NullStream:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
     def synchronize(self) -> None:  # noqa: D102
         pass
 

@@ -43,38 +43,61 @@ def _eval(model: Path, data: Path, out: Path, k: int, seed: int) -> float:
     return json.loads((out / "report.json").read_text())["benchmarks"]["arith"][f"avg@{k}"]
 
 
+def sft_args(out: Path, args: argparse.Namespace) -> list[str]:
+    """klear-sft flags of the quickstart (TP=2 on 2 CPU ranks)."""
+    return ["--hf-checkpoint", str(out / "base_hf"), "--data-path", str(out / "data" / "sft.jsonl"),
+            "--tensor-model-parallel-size", "2", "--seq-length", "256", "--micro-batch-size", "4",
+            "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
+            "--train-iters", str(args.sft_iters), "--seed", str(args.seed),
+            "--save", str(out / "sft_ckpt"), "--export-hf", str(out / "sft_hf"), "--no-progress-bar"]
+
+
+def rl_args(out: Path, args: argparse.Namespace) -> list[str]:
+    """klear-rl flags of the quickstart: GPPO at TP=2 with one embedded rollout server."""
+    return ["--hf-checkpoint", str(out / "sft_hf"), "--prompt-data", str(out / "data" / "rl.jsonl"),
+            "--tensor-model-parallel-size", "2", "--reward", "math",
+            "--rollout-batch-size", "32", "--mini-batch-size", "16", "--n-samples-per-prompt", "8",
+            "--micro-batch-size", "32", "--rollout-max-response-len", "48",
+            "--lr", str(args.rl_lr), "--train-iters", str(args.rl_iters), "--seed", str(args.seed),
+            "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"]
+
+
+def _run_dry(module: str, argv: list[str]) -> None:
+    env = dict(os.environ, WORLD_SIZE="2", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", module, *argv, "--dry-run"], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"quickstart --dry-run: {module} rejected its config:\n{proc.stderr[-2000:]}")
+    print(f"{module}: config OK (2 ranks, TP=2)")
+
+
 def main() -> None:
     """Run the whole pipeline and print the accuracy before and after RL."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sft-iters", type=int, default=120)
-    p.add_argument("--rl-iters", type=int, default=12)
+    p.add_argument("--sft-iters", type=int, default=300)
+    p.add_argument("--rl-iters", type=int, default=40)
+    p.add_argument("--rl-lr", type=float, default=2e-4)
     p.add_argument("--eval-k", type=int, default=4)
+    p.add_argument("--dry-run", action="store_true", help="validate both trainer configs, then stop")
     args = p.parse_args()
     out = Path(args.out)
+    if args.dry_run:
+        for module, argv in (("megatron_klear.train.sft", sft_args(out, args)),
+                             ("megatron_klear.train.rl", rl_args(out, args))):
+            _run_dry(module, argv)
+        return
     if out.exists():
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True)
     t0 = time.time()
-    base = save_tiny_hf_model(out / "base_hf", seed=args.seed)
+    save_tiny_hf_model(out / "base_hf", seed=args.seed)
     data = write_arithmetic_data(out / "data", seed=args.seed)
-    _run(_torchrun(2, "megatron_klear.train.sft", [
-        "--hf-checkpoint", str(base), "--data-path", str(data["sft"]),
-        "--tensor-model-parallel-size", "2", "--seq-length", "256", "--micro-batch-size", "4",
-        "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", "10", "--train-iters", str(args.sft_iters), "--seed", str(args.seed),
-        "--save", str(out / "sft_ckpt"), "--export-hf", str(out / "sft_hf"), "--no-progress-bar"]),
-        out / "logs" / "sft.log")
+    _run(_torchrun(2, "megatron_klear.train.sft", sft_args(out, args)), out / "logs" / "sft.log")
     before = _eval(out / "sft_hf", data["eval"], out / "eval_before", args.eval_k, args.seed)
-    _run(_torchrun(2, "megatron_klear.train.rl", [
-        "--hf-checkpoint", str(out / "sft_hf"), "--prompt-data", str(data["rl"]),
-        "--tensor-model-parallel-size", "2", "--reward", "math",
-        "--rollout-batch-size", "16", "--mini-batch-size", "8", "--n-samples-per-prompt", "8",
-        "--micro-batch-size", "16", "--global-batch-size", "16",
-        "--rollout-max-response-len", "48", "--lr", "2e-4", "--train-iters", str(args.rl_iters),
-        "--seed", str(args.seed), "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"),
-        "--no-progress-bar"]), out / "logs" / "rl.log")
+    _run(_torchrun(2, "megatron_klear.train.rl", rl_args(out, args)), out / "logs" / "rl.log")
     after = _eval(out / "rl_hf", data["eval"], out / "eval_after", args.eval_k, args.seed)
     from megatron_klear.train.plot import plot_metrics
 

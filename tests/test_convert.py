@@ -65,7 +65,21 @@ def _one_rank(rank, world, hf_dirs, out: Path):
                     [sd[p + "q_proj.weight"], sd[p + "k_proj.weight"], sd[p + "v_proj.weight"]]))
         state.save_checkpoint(out / f"wrong{int(tie)}", 0, [model], hf_config=arch.hf_config)
         res["wrong_qkv", tie] = convert.compare_logits(hf, out / f"wrong{int(tie)}")
+    # Several shards, with every layer's q/k/v and gate/up spread over different files.
+    sharded = _reshard_round_robin(hf_dirs[False], out / "hf_sharded", n=3)
+    ckpt = convert.convert_hf_to_megatron(sharded, out / "mg_sharded", dtype="fp32")
+    res["sharded_input"] = convert.compare_logits(hf_dirs[False], ckpt)
     return res
+
+
+def _reshard_round_robin(hf: Path, out: Path, n: int) -> Path:
+    shutil.copytree(hf, out)
+    tensors = load_file(out / "model.safetensors")
+    (out / "model.safetensors").unlink()
+    for k in range(n):
+        save_file({name: t for i, (name, t) in enumerate(sorted(tensors.items())) if i % n == k},
+                  out / f"model-{k + 1:05d}-of-{n:05d}.safetensors")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +91,10 @@ def single(hf_dirs, tmp_path_factory):
 @pytest.mark.parametrize("tie", TIES)
 def test_tp1_logits_match_transformers(single, tie):
     assert single[0]["tp1", tie] < TOL
+
+
+def test_input_sharded_across_files_converts_exactly(single):
+    assert single[0]["sharded_input"] < TOL
 
 
 @pytest.mark.parametrize("tie", TIES)
@@ -204,7 +222,8 @@ def _cli(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
 def test_clis_convert_both_ways_and_gate_on_parity(hf_dirs, tmp_path):
     hf, other = str(hf_dirs[False]), str(hf_dirs[True])
     mg, back = str(tmp_path / "mg"), str(tmp_path / "back")
-    r = _cli("convert_hf_to_megatron.py", "--hf-dir", hf, "--out-dir", mg, "--dtype", "fp32")
+    r = _cli("convert_hf_to_megatron.py", "--hf-dir", hf, "--out-dir", mg, "--dtype", "fp32",
+             "--tp", "2", nproc=2)
     assert r.returncode == 0, r.stderr
     r = _cli("compare_logits.py", "--hf-dir", hf, "--megatron-dir", mg, "--pp", "2", nproc=2)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

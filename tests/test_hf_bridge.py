@@ -41,7 +41,7 @@ def test_vocab_shard_is_zero_padded_to_megatrons_size():
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind,shapes", [
     ("qkv", [(64, 64), (32, 64), (32, 64)]), ("gate_up", [(128, 64), (128, 64)]),
-    ("vocab", [(103, 64)]), ("row", [(64, 128)]), ("column", [(128, 64)]),
+    ("vocab", [(103, 64)]), ("row", [(64, 128)]),
     ("replicated", [(16,)]),
 ])
 def test_split_then_merge_is_identity(kind, shapes, tp):

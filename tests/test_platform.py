@@ -17,6 +17,8 @@ CHECKS = {
     "current_device": "assert torch.cuda.current_device() == 0",
     "synchronize": "torch.cuda.synchronize()",
     "stream": "s = torch.cuda.current_stream(); s.synchronize()\nwith torch.cuda.stream(s): pass",
+    "stream_class_in_annotations": "t = torch.cuda.Stream | None; torch.cuda.Stream().synchronize()\n"
+                                   "from transformers import Qwen3ForCausalLM",
     "rng_state_is_cpu_state": textwrap.dedent("""
         st = torch.cuda.get_rng_state(); a = torch.rand(3)
         torch.cuda.set_rng_state(st); assert torch.equal(a, torch.rand(3))"""),

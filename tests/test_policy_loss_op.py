@@ -16,7 +16,7 @@ SETTINGS = [dict(loss_type="gppo"), dict(loss_type="gppo", beta1=0.5, beta2=2.0,
 
 
 @pytest.mark.parametrize("device,backend", FUSED)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kw", SETTINGS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_fused_matches_reference(device, backend, dtype, kw):
     inp = make_inputs(48, 301, vocab_size=kw.get("vocab_size"))
@@ -137,6 +137,8 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         vocab_parallel_policy_loss(*args, vocab_size=11)
     with pytest.raises(ValueError, match="advantages must be shaped"):
         vocab_parallel_policy_loss(*args[:3], torch.zeros(3), args[4])
+    with pytest.raises(ValueError, match="loss_mask must be shaped like the targets"):
+        vocab_parallel_policy_loss(*args[:4], torch.ones(2, 2))
     with pytest.raises(ValueError, match="unknown policy loss"):
         vocab_parallel_policy_loss(*args, loss_type="grpo")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -145,3 +147,47 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="build_ext --inplace"):
         vocab_parallel_policy_loss(*args, backend="cpu")
     assert op_module.resolve_backend("auto", "cpu") == "torch"
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_python_registered_loss_runs_on_fused_logprobs(device, backend):
+    """A loss registered only in Python uses the kernels' log-probs and torch per-token math."""
+    from megatron_klear.algo.losses import POLICY_LOSSES, gppo_loss, register_policy_loss
+
+    register_policy_loss("gppo_python_copy")(gppo_loss)
+    try:
+        inp = make_inputs(32, 157)
+        got = run_op(inp, inp["logits"], backend=backend, device=device,
+                     loss_type="gppo_python_copy", dual_clip=2.5)
+        ref = run_op(inp, inp["logits"], backend="torch", device=device, loss_type="gppo",
+                     dual_clip=2.5)
+        assert_match(got, ref, torch.float32, "python-registered loss")
+    finally:
+        del POLICY_LOSSES["gppo_python_copy"]
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_logits_shared_with_another_loss_term(device, backend):
+    """The out-of-place backward leaves the logits intact for other terms that saved them."""
+    inp = {k: v.to(device) for k, v in make_inputs(12, 64).items()}
+    grads = []
+    for b in (backend, "torch"):
+        x = inp["logits"].clone().requires_grad_(True)
+        y = x * 1.0
+        out = vocab_parallel_policy_loss(y, inp["targets"], inp["old"], inp["adv"], inp["mask"],
+                                         backend=b)
+        (out.loss + 1e-3 * (y ** 2).sum()).backward()
+        grads.append(x.grad.cpu())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device,backend", FUSED)
+def test_minus_inf_logits_give_finite_outputs(device, backend):
+    """Logits masked to -inf by the caller (not padding) behave as probability 0."""
+    inp = make_inputs(16, 80)
+    inp["logits"][:, 40:50] = float("-inf")
+    inp["targets"] = inp["targets"] % 40
+    ref = run_op(inp, inp["logits"], backend="torch", device=device, temperature=0.9)
+    got = run_op(inp, inp["logits"], backend=backend, device=device, temperature=0.9)
+    assert_match(got, ref, torch.float32, "-inf logits")
+    assert torch.count_nonzero(got["grad"][:, 40:50]) == 0

@@ -137,8 +137,13 @@ def test_no_network(clean):
         assert out.stdout.strip() == "5" and handler.hits == 1
         _scores_zero(code, {"inputs": [""], "outputs": ["5"]})
         assert handler.hits == 1
-        _scores_zero(f"import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\nprint(5)\n",
-                     {"inputs": [""], "outputs": ["5"]})
+        # No route out either, checked without sending traffic: only "lo" exists inside.
+        ifaces = ("import socket\nup = [n for _, n in socket.if_nameindex() if n != 'lo']\n"
+                  "print(5 if up else 0)\n")
+        outside = subprocess.run([sys.executable, "-c", ifaces], capture_output=True, text=True,
+                                 timeout=30)
+        assert outside.stdout.strip() == "5"  # negative control: the host has interfaces
+        _scores_zero(ifaces, {"inputs": [""], "outputs": ["5"]})
     finally:
         server.shutdown()
 

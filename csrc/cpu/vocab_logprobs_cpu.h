@@ -1,7 +1,7 @@
 // CPU kernels of the fused vocab-parallel log-prob / policy loss (OpenMP over rows).
 //
-// Plain templates over the logits element type T (float, c10::BFloat16, c10::Half: anything
-// convertible to and from float); no torch headers. One row is one token; a row holds this
+// Plain templates over the logits storage type T (float, bf16_t below, or any type convertible
+// to and from float such as c10::Half); no torch headers. One row is one token; a row holds this
 // rank's vocabulary shard, of which the first `valid` slots are real (the rest is padding and
 // behaves as -inf). All accumulation is fp32, every row is reduced by one thread in a fixed
 // order, so results are deterministic and independent of the thread count.
@@ -15,10 +15,31 @@
 
 namespace klear::cpu {
 
-// exp(x) for x <= 0 (arguments below -87 give ~0): Cody-Waite reduction + Cephes polynomial,
+// GCC vectorises the clamps below only without trapping math; x86 builds additionally get an
+// AVX2+FMA copy of each row kernel, picked at run time (the baseline build is SSE2 only).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+#endif
+#if defined(__GNUC__) && defined(__x86_64__)
+#define KLEAR_X86_DISPATCH 1
+#define KLEAR_AVX2 __attribute__((target("avx2,fma")))
+inline bool cpu_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+// exp(x) for x <= 0 (arguments below -87 give 0): Cody-Waite reduction + Cephes polynomial,
 // plain arithmetic so that `omp simd` loops vectorise (libm's expf does not without -ffast-math).
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);
+#if defined(__GNUC__)
+#define KLEAR_INLINE inline __attribute__((always_inline))
+#else
+#define KLEAR_INLINE inline
+#endif
+
+KLEAR_INLINE float exp_nonpos(float x_in) {
+  const float x = x_in < -87.0f ? -87.0f : (x_in > 0.0f ? 0.0f : x_in);
   const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
   float r = x - k * 0.693359375f;
   r = r + k * 2.12194440e-4f;
@@ -32,28 +53,124 @@ inline float exp_nonpos(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
+  return x_in < -87.0f ? 0.0f : y * scale;   // exactly 0 below -87 (and for -inf)
+}
+
+// bfloat16 storage (layout of c10::BFloat16 / __nv_bfloat16). Its conversions are written out
+// here because plain bit operations vectorise; c10's do not.
+struct bf16_t {
+  uint16_t bits;
+};
+
+template <typename T>
+KLEAR_INLINE float to_float(T x) {
+  return static_cast<float>(x);
+}
+KLEAR_INLINE float to_float(bf16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <typename T>
+KLEAR_INLINE T from_float(float x) {
+  return static_cast<T>(x);
+}
+template <>
+KLEAR_INLINE bf16_t from_float<bf16_t>(float x) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return {static_cast<uint16_t>(x != x ? 0x7FC0u : rounded)};
 }
 
 // Row statistics of the temperature-scaled shard x = logits * inv_temp:
 // out = {m = max x, d = sum exp(x - m), s = sum exp(x - m)(x - m), x[target] or 0}.
 template <typename T>
-void row_stats(const T* row, int64_t valid, int64_t target, float inv_temp, float* out) {
+KLEAR_INLINE void row_stats_body(const T* row, int64_t valid, int64_t target, float inv_temp,
+                                 float* out) {
   float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < valid; ++j) m = std::fmax(m, static_cast<float>(row[j]) * inv_temp);
+  for (int64_t j = 0; j < valid; ++j) {
+    const float x = to_float(row[j]) * inv_temp;
+    m = x > m ? x : m;
+  }
   float d = 0.0f, s = 0.0f;
 #pragma omp simd reduction(+ : d, s)
   for (int64_t j = 0; j < valid; ++j) {
-    const float z = std::fmax(static_cast<float>(row[j]) * inv_temp - m, -87.0f);
-    const float e = exp_nonpos(z);
+    const float z = to_float(row[j]) * inv_temp - m;
+    const float zc = z < -87.0f ? -87.0f : z;   // keeps e * z finite for -inf logits
+    const float e = exp_nonpos(z);   // 0 below -87: -inf logits add nothing
     d += e;
-    s += e * z;
+    s += e * zc;
   }
   out[0] = m;
   out[1] = d;
   out[2] = s;
-  out[3] = (target >= 0 && target < valid) ? static_cast<float>(row[target]) * inv_temp : 0.0f;
+  out[3] = (target >= 0 && target < valid) ? to_float(row[target]) * inv_temp : 0.0f;
+}
+
+// d/dx_j of (g_logp * logp + g_ent * H) for one row, times inv_temp (x = logits * inv_temp):
+// g_logp (onehot_j - p_j) - g_ent p_j (log p_j + H), p_j = exp(x_j - lse). Safe in place
+// (grad == row): the target logit is read before the row is overwritten.
+template <typename T, bool kEntropy>
+KLEAR_INLINE void row_backward_body(const T* row, T* grad, int64_t vocab, int64_t valid,
+                                    int64_t target, float inv_temp, float lse, float entropy,
+                                    float g_logp, float g_ent) {
+  const bool has_target = target >= 0 && target < valid;
+  const float x_target = has_target ? to_float(row[target]) * inv_temp - lse : 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < valid; ++j) {
+    const float z = to_float(row[j]) * inv_temp - lse;
+    const float p = exp_nonpos(z);
+    float g = -g_logp * p;
+    if constexpr (kEntropy) g -= g_ent * (p > 0.0f ? p * (z + entropy) : 0.0f);  // 0 log 0 = 0
+    grad[j] = from_float<T>(g * inv_temp);
+  }
+  for (int64_t j = valid; j < vocab; ++j) grad[j] = from_float<T>(0.0f);
+  if (has_target) {
+    const float p = exp_nonpos(x_target);
+    float g = g_logp * (1.0f - p);
+    if constexpr (kEntropy) g -= g_ent * p * (x_target + entropy);
+    grad[target] = from_float<T>(g * inv_temp);
+  }
+}
+
+// Row kernels: the same body compiled for the baseline ISA and (x86) for AVX2+FMA.
+#if KLEAR_X86_DISPATCH
+template <typename T>
+KLEAR_AVX2 void row_stats_avx2(const T* row, int64_t valid, int64_t target, float inv_temp,
+                               float* out) {
+  row_stats_body(row, valid, target, inv_temp, out);
+}
+template <typename T, bool kEntropy>
+KLEAR_AVX2 void row_backward_avx2(const T* row, T* grad, int64_t vocab, int64_t valid,
+                                  int64_t target, float inv_temp, float lse, float entropy,
+                                  float g_logp, float g_ent) {
+  row_backward_body<T, kEntropy>(row, grad, vocab, valid, target, inv_temp, lse, entropy, g_logp,
+                                 g_ent);
+}
+#endif
+
+template <typename T>
+void row_stats(const T* row, int64_t valid, int64_t target, float inv_temp, float* out) {
+#if KLEAR_X86_DISPATCH
+  if (cpu_has_avx2()) return row_stats_avx2(row, valid, target, inv_temp, out);
+#endif
+  row_stats_body(row, valid, target, inv_temp, out);
+}
+
+template <typename T, bool kEntropy>
+void row_backward(const T* row, T* grad, int64_t vocab, int64_t valid, int64_t target,
+                  float inv_temp, float lse, float entropy, float g_logp, float g_ent) {
+#if KLEAR_X86_DISPATCH
+  if (cpu_has_avx2())
+    return row_backward_avx2<T, kEntropy>(row, grad, vocab, valid, target, inv_temp, lse,
+                                          entropy, g_logp, g_ent);
+#endif
+  row_backward_body<T, kEntropy>(row, grad, vocab, valid, target, inv_temp, lse, entropy, g_logp,
+                                 g_ent);
 }
 
 template <typename T>
@@ -62,31 +179,6 @@ void logprob_stats(const T* logits, int64_t rows, int64_t vocab, const int64_t* 
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < rows; ++i)
     row_stats(logits + i * vocab, valid, target_local[i], inv_temp, stats + 4 * i);
-}
-
-// d/dx_j of (g_logp * logp + g_ent * H) for one row, times inv_temp (x = logits * inv_temp):
-// g_logp (onehot_j - p_j) - g_ent p_j (log p_j + H), p_j = exp(x_j - lse). Safe in place
-// (grad == row): the target logit is read before the row is overwritten.
-template <typename T, bool kEntropy>
-void row_backward(const T* row, T* grad, int64_t vocab, int64_t valid, int64_t target,
-                  float inv_temp, float lse, float entropy, float g_logp, float g_ent) {
-  const bool has_target = target >= 0 && target < valid;
-  const float x_target = has_target ? static_cast<float>(row[target]) * inv_temp - lse : 0.0f;
-#pragma omp simd
-  for (int64_t j = 0; j < valid; ++j) {
-    const float z = static_cast<float>(row[j]) * inv_temp - lse;
-    const float p = exp_nonpos(z);
-    float g = -g_logp * p;
-    if constexpr (kEntropy) g -= g_ent * p * (z + entropy);
-    grad[j] = static_cast<T>(g * inv_temp);
-  }
-  for (int64_t j = valid; j < vocab; ++j) grad[j] = static_cast<T>(0.0f);
-  if (has_target) {
-    const float p = exp_nonpos(x_target);
-    float g = g_logp * (1.0f - p);
-    if constexpr (kEntropy) g -= g_ent * p * (x_target + entropy);
-    grad[target] = static_cast<T>(g * inv_temp);
-  }
 }
 
 template <typename T>
@@ -120,3 +212,7 @@ inline void token_policy_loss(const float* logp, const float* old_logp, const fl
 }
 
 }  // namespace klear::cpu
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif

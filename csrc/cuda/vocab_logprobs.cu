@@ -3,7 +3,7 @@
 // stats:    one block per row; each thread keeps an online (max, sum exp, sum exp*(x-max)) over a
 //           strided slice of the row, then a fixed-order warp-shuffle + shared-memory tree merges
 //           them (deterministic, no atomics). Reads the logits once.
-// backward: a 2-D grid (row, chunk) recomputes p = exp(x - lse) and writes the gradient
+// backward: a 2-D grid (x: row, y: vocab chunk) recomputes p = exp(x - lse) and writes the gradient
 //           (optionally in place). Reads and writes the logits once.
 // token:    the per-token policy loss of policy_loss_math.h, elementwise.
 #include <cuda_bf16.h>
@@ -42,6 +42,7 @@ __device__ __forceinline__ Online merge(Online a, Online b) {
 }
 
 __device__ __forceinline__ Online push(Online a, float x) {
+  if (x == -INFINITY) return a;  // masked logit: adds nothing (and -inf - -inf would be NaN)
   if (x > a.m) {  // rescale the running sums to the new max (rare after the first elements)
     if (a.d > 0.0f) {
       const float sc = expf(a.m - x);
@@ -73,7 +74,8 @@ __global__ void stats_kernel(const T* __restrict__ logits, int64_t vocab,
   const int64_t row = blockIdx.x;
   const T* x = logits + row * vocab;
   Online acc{-INFINITY, 0.0f, 0.0f};
-  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) acc = push(acc, to_float(x[j]) * inv_temp);
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x)
+    acc = push(acc, to_float(x[j]) * inv_temp);
   acc = warp_merge(acc);
   __shared__ Online partial[kStatsThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -100,12 +102,12 @@ __global__ void backward_kernel(const T* logits, T* grad, int64_t vocab,
                                 const float* __restrict__ entropy,
                                 const float* __restrict__ grad_logp,
                                 const float* __restrict__ grad_entropy) {
-  const int64_t row = blockIdx.y;
+  const int64_t row = blockIdx.x;
   const int64_t t = target_local[row];
   const float l = lse[row], gl = grad_logp[row];
   const float ge = grad_entropy ? grad_entropy[row] : 0.0f;
   const float h = grad_entropy ? entropy[row] : 0.0f;
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kBackwardItems;
+  const int64_t base = static_cast<int64_t>(blockIdx.y) * blockDim.x * kBackwardItems;
   const T* x = logits + row * vocab;
   T* g = grad + row * vocab;
 #pragma unroll
@@ -116,7 +118,8 @@ __global__ void backward_kernel(const T* logits, T* grad, int64_t vocab,
     if (j < valid) {
       const float z = to_float(x[j]) * inv_temp - l;
       const float p = expf(z);
-      out = gl * ((j == t ? 1.0f : 0.0f) - p) - ge * p * (z + h);
+      const float plogp = p > 0.0f ? p * (z + h) : 0.0f;  // 0 log 0 = 0 for -inf logits
+      out = gl * ((j == t ? 1.0f : 0.0f) - p) - ge * plogp;
     }
     g[j] = from_float<T>(out * inv_temp);
   }
@@ -150,8 +153,9 @@ cudaError_t launch_backward(const void* logits, void* grad, int64_t rows, int64_
                             const float* grad_entropy, cudaStream_t stream) {
   if (rows == 0 || vocab == 0) return cudaSuccess;
   const int64_t per_block = static_cast<int64_t>(kBackwardThreads) * kBackwardItems;
-  const dim3 grid(static_cast<unsigned>((vocab + per_block - 1) / per_block),
-                  static_cast<unsigned>(rows));
+  // rows on x (up to 2^31 - 1 tokens), vocab chunks on y (<= 65535: 16.7M columns per shard)
+  const dim3 grid(static_cast<unsigned>(rows),
+                  static_cast<unsigned>((vocab + per_block - 1) / per_block));
   backward_kernel<T><<<grid, kBackwardThreads, 0, stream>>>(
       static_cast<const T*>(logits), static_cast<T*>(grad), vocab, target, valid, inv_temp, lse,
       entropy, grad_logp, grad_entropy);

@@ -155,7 +155,7 @@ def aggregate(per_token: Tensor, loss_mask: Tensor, normalizer: float | Tensor |
 
 def sft_loss(logprobs: Tensor, loss_mask: Tensor, normalizer: float | Tensor | None = None
              ) -> Tensor:
-    """SFT (NLL) loss: -sum(logprobs over mask) / normalizer (token-level, like :func:`aggregate`)."""
+    """SFT (NLL) loss: -sum(logprobs over mask) / normalizer (token-level, as :func:`aggregate`)."""
     return aggregate(-logprobs, loss_mask, normalizer)
 
 

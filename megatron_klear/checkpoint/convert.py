@@ -1,8 +1,8 @@
 """Hugging Face <-> Megatron conversion and the logit parity check behind the tools/ CLIs.
 
-* :func:`convert_hf_to_megatron` reads safetensors shards lazily (memory-mapped; one
-  layer's tensors are materialised at a time) into the Megatron model of this rank's
-  pipeline stage and writes iteration 0 of a training checkpoint (model only) with
+* :func:`convert_hf_to_megatron` reads safetensors shards one at a time (memory-mapped,
+  closed before the next) into the Megatron model of this rank's TP/PP shard and writes
+  iteration 0 of a training checkpoint (model only) with
   :func:`~megatron_klear.checkpoint.state.save_checkpoint`; ``torch_dist`` makes it
   loadable at any TP/PP layout, and ``--load`` of a trainer starts from it.
 * :func:`convert_megatron_to_hf` loads a checkpoint at TP1/PP1 (dist_checkpointing
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_klear.checkpoint import hf_bridge
-from megatron_klear.checkpoint.state import (CheckpointError, find_latest_checkpoint,
-                                             load_checkpoint, read_meta, save_checkpoint)
+from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint, read_meta,
+                                             save_checkpoint)
 from megatron_klear.models import qwen3
 
 __all__ = ["ConversionError", "DTYPES", "convert_hf_to_megatron", "convert_megatron_to_hf",
@@ -109,31 +109,52 @@ def _progress(total: int, desc: str) -> tqdm:
 
 # ---------------------------------------------------------------- HF -> Megatron
 class SafetensorsReader:
-    """Lazy, memory-mapped access to the tensors of an HF model directory (any shard count)."""
+    """The tensors of an HF model directory (any shard count), read lazily.
+
+    Only headers are read up front. :meth:`shards` opens one shard at a time (memory-mapped)
+    and closes it before the next, so reading never maps more than one shard.
+    """
 
     def __init__(self, hf_dir: str | Path) -> None:
         from safetensors import safe_open
 
         hf_dir = Path(hf_dir)
-        files = sorted(hf_dir.glob("*.safetensors"))
-        if not files:
+        self._files = sorted(hf_dir.glob("*.safetensors"))
+        if not self._files:
             raise ConversionError(f"--hf-dir {hf_dir}: no *.safetensors files (only safetensors "
                                   "checkpoints are supported; re-save with safe_serialization)")
-        self._handles = {f.name: safe_open(str(f), framework="pt") for f in files}
-        self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
+        self._where: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for f in self._files:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    self._where[name] = f
+                    self._shapes[name] = tuple(h.get_slice(name).get_shape())
 
     def names(self) -> list[str]:
         """All tensor names across shards."""
         return list(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape from the shard header (no data read)."""
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        """A tensor's shape from its shard header."""
+        return self._shapes[name]
+
+    def shards(self) -> Iterator[tuple[set[str], Callable[[str], torch.Tensor]]]:
+        """(names, getter) per shard; each shard is closed when the next is requested."""
+        from safetensors import safe_open
+
+        for f in self._files:
+            with safe_open(str(f), framework="pt") as h:
+                yield set(h.keys()), h.get_tensor
 
     def __call__(self, name: str) -> torch.Tensor:
+        """One tensor by name (opens its shard for this read only)."""
+        from safetensors import safe_open
+
         if name not in self._where:
             raise KeyError(name)
-        return self._handles[self._where[name]].get_tensor(name)
+        with safe_open(str(self._where[name]), framework="pt") as h:
+            return h.get_tensor(name)
 
 
 def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
@@ -160,7 +181,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     init_parallel(run_tp, run_pp)
     model = build_model(arch, DTYPES[dtype])
     with _progress(sum(1 for _ in model.parameters()), "hf->megatron") as bar:
-        hf_bridge.load_hf_weights([model], arch, _counting(reader, bar))
+        hf_bridge.load_hf_weights_from_shards([model], arch, reader.shards(),
+                                              on_param=lambda: bar.update(1))
     tmp = _tmp_dir(out_dir)
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -169,15 +191,6 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
         _publish_dir(tmp, out_dir)
     dist.barrier()
     return out_dir
-
-
-def _counting(reader: SafetensorsReader, bar: tqdm) -> Callable[[str], torch.Tensor]:
-    """A tensor getter that ticks the progress bar once per Megatron parameter filled."""
-    def get(name: str) -> torch.Tensor:
-        if not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
-            bar.update(1)  # q_proj / gate_proj tick for the fused qkv / fc1 parameter
-        return reader(name)
-    return get
 
 
 # ---------------------------------------------------------------- Megatron -> HF
@@ -359,24 +372,9 @@ def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1,
 
 def hf_logits(hf_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
     """transformers' Qwen3ForCausalLM logits (fp32, eager attention): the reference."""
-    model = _hf_qwen3_class().from_pretrained(str(hf_dir), dtype=torch.float32,
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
                                              attn_implementation="eager").eval()
     with torch.no_grad():
         return model(input_ids).logits.float()
-
-
-def _hf_qwen3_class() -> type:
-    """transformers' Qwen3ForCausalLM, importable after platform.setup().
-
-    platform.py replaces ``torch.cuda.Stream`` by a function, and transformers evaluates
-    ``torch.cuda.Stream | None`` at import time; the real class is put back for the import.
-    """
-    import torch.cuda.streams
-
-    patched = torch.cuda.Stream
-    torch.cuda.Stream = torch.cuda.streams.Stream
-    try:
-        from transformers import Qwen3ForCausalLM
-    finally:
-        torch.cuda.Stream = patched
-    return Qwen3ForCausalLM

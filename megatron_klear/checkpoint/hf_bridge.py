@@ -9,8 +9,9 @@ the Transformer Engine spec (where the input/pre-MLP RMSNorms are fused into
 full tensor is split over tensor-parallel ranks and merged back:
 
 * ``replicated`` -- every TP rank holds the full tensor (norms);
-* ``column`` / ``row`` -- split on the output (0) / input (1) dimension;
-* ``vocab`` -- column split after zero-padding the vocabulary to Megatron's padded size;
+* ``row`` -- split on the input dimension (1);
+* ``vocab`` -- split on the output dimension (0) after zero-padding the vocabulary to
+  Megatron's padded size;
 * ``qkv`` -- q/k/v stacked per query group ([q heads of the group, k, v]), then split;
 * ``gate_up`` -- each rank holds [gate shard; up shard], so halves regroup per rank.
 
@@ -22,14 +23,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
 
 __all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
-           "export_hf_weights", "hf_state_dict_from_megatron", "split_for_rank", "merge_shards",
+           "load_hf_weights_from_shards", "export_hf_weights",
+           "hf_state_dict_from_megatron", "split_for_rank", "merge_shards",
            "unwrap_model", "check_hf_names", "check_hf_shape", "hf_shape"]
 
 HfTensors = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
@@ -107,8 +109,6 @@ def split_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int
     """This TP rank's shard of the Megatron parameter built from full HF tensors."""
     if kind == "replicated":
         return full[0]
-    if kind == "column":
-        return full[0].chunk(tp, dim=0)[rank]
     if kind == "row":
         return full[0].chunk(tp, dim=1)[rank]
     if kind == "vocab":
@@ -134,8 +134,6 @@ def merge_shards(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list
     """The full HF tensors (in ``Rule.hf`` order) from all TP ranks' shards, rank order."""
     if kind == "replicated":
         return [shards[0]]
-    if kind == "column":
-        return [torch.cat(shards, dim=0)]
     if kind == "row":
         return [torch.cat(shards, dim=1)]
     if kind == "vocab":
@@ -237,12 +235,48 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch,
         check_hf_names(list(hf_tensors.keys()), arch)
     get = _getter(hf_tensors)
     tp, rank, _ = _tp()
-    for name, param, rule, hf in _params(model_chunks, arch):
-        full = [get(n) for n in hf]
-        for n, t in zip(hf, full):
-            check_hf_shape(n, tuple(t.shape), arch)
-        shard = split_for_rank(rule.kind, full, arch, tp, rank)
-        param.copy_(shard)
+    for _, param, rule, hf in _params(model_chunks, arch):
+        _fill(param, rule, hf, [get(n) for n in hf], arch, tp, rank)
+
+
+@torch.no_grad()
+def load_hf_weights_from_shards(model_chunks: list[torch.nn.Module], arch: Qwen3Arch,
+                                shards: Iterable[tuple[set[str], Callable[[str], torch.Tensor]]],
+                                on_param: Callable[[], None] | None = None) -> None:
+    """:func:`load_hf_weights` reading one checkpoint shard at a time.
+
+    ``shards`` yields ``(names in the shard, getter)``; a shard may be closed as soon as the
+    next one is requested. Each parameter is filled once all its HF inputs were seen; inputs
+    whose partners live in a later shard are kept until then (at most about one layer when
+    shards are layer-ordered, as Hugging Face writes them).
+    """
+    tp, rank, _ = _tp()
+    pending = list(_params(model_chunks, arch))
+    kept: dict[str, torch.Tensor] = {}
+    for names, get in shards:
+        waiting = []
+        for item in pending:
+            _, param, rule, hf = item
+            if not all(n in names or n in kept for n in hf):
+                waiting.append(item)
+                continue
+            _fill(param, rule, hf, [kept[n] if n in kept else get(n) for n in hf], arch, tp, rank)
+            if on_param:
+                on_param()
+        still_needed = {n for *_, hf in waiting for n in hf}
+        kept = {n: t for n, t in kept.items() if n in still_needed}
+        kept.update({n: get(n).clone() for n in still_needed & names if n not in kept})
+        pending = waiting
+    if pending:
+        missing = next(n for n in pending[0][3] if n not in kept)
+        raise BridgeError(f"missing tensor {missing!r} in the Hugging Face checkpoint")
+
+
+def _fill(param: torch.nn.Parameter, rule: Rule, hf: list[str], full: list[torch.Tensor],
+          arch: Qwen3Arch, tp: int, rank: int) -> None:
+    for n, t in zip(hf, full):
+        check_hf_shape(n, tuple(t.shape), arch)
+    param.copy_(split_for_rank(rule.kind, full, arch, tp, rank))
 
 
 def check_hf_shape(name: str, shape: tuple[int, ...], arch: Qwen3Arch) -> None:

@@ -32,7 +32,6 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -127,6 +126,13 @@ def _model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
             for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks)}
 
 
+def _has_tensors(sharded: dict) -> bool:
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return any(isinstance(v, ShardedTensor) for v in nested_values(sharded))
+
+
 # ---------------------------------------------------------------- RNG
 def _rng_state() -> dict:
     from megatron.core import tensor_parallel
@@ -173,7 +179,9 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
     state = _model_sharded_state_dict(model_chunks)
     contents = list(state)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state)
+        opt_state = optimizer.sharded_state_dict(state)
+        if _has_tensors(opt_state):  # before the first step Adam has no moments to save
+            state["optimizer"] = opt_state
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     state["extra"] = dict(extra or {})

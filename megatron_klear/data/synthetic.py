@@ -2,6 +2,10 @@
 
 Problems are ``a + b * c`` with one-digit operands; the response reasons in two steps and
 ends with ``\\boxed{answer}``, so the real math reward (math-verify on ``\\boxed{}``) scores it.
+
+Like distilled long-CoT data, the SFT demonstrations are noisy: a fraction ends with a wrong
+boxed answer after correct reasoning. SFT imitates that noise; RL with the verified reward
+is what removes it, which makes the quickstart's RL gain visible in minutes on a CPU.
 """
 
 from __future__ import annotations
@@ -12,17 +16,22 @@ from pathlib import Path
 from megatron_klear.data.records_io import write_records
 
 
-def arithmetic_problem(rng: random.Random) -> tuple[str, str, int]:
-    """(question, chain-of-thought response, answer)."""
+def arithmetic_problem(rng: random.Random, wrong_answer_rate: float = 0.0
+                       ) -> tuple[str, str, int]:
+    """(question, chain-of-thought response, answer); the boxed answer is off by 1-3 with
+    probability ``wrong_answer_rate``."""
     a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
     answer = a + b * c
+    boxed = answer + rng.choice((-3, -2, -1, 1, 2, 3)) if rng.random() < wrong_answer_rate \
+        else answer
     question = f"What is {a}+{b}*{c}?"
-    response = f"<think>{b}*{c}={b * c}, {a}+{b * c}={answer}.</think> \\boxed{{{answer}}}"
+    response = f"<think>{b}*{c}={b * c}, {a}+{b * c}={answer}.</think> \\boxed{{{boxed}}}"
     return question, response, answer
 
 
 def write_arithmetic_data(out_dir: str | Path, *, seed: int = 0, n_sft: int = 2000,
-                          n_rl: int = 1000, n_eval: int = 64) -> dict[str, Path]:
+                          n_rl: int = 1000, n_eval: int = 64,
+                          wrong_answer_rate: float = 0.4) -> dict[str, Path]:
     """sft.jsonl (prompt/response), rl.jsonl and eval.jsonl (prompt/answer) in ``out_dir``.
 
     The eval problems are disjoint from the RL and SFT prompts.
@@ -37,9 +46,15 @@ def write_arithmetic_data(out_dir: str | Path, *, seed: int = 0, n_sft: int = 20
     questions = sorted(pool)
     rng.shuffle(questions)
     eval_q, train_q = questions[:n_eval], questions[n_eval:]
+    train_q_set = set(train_q)
     paths = {name: out / f"{name}.jsonl" for name in ("sft", "rl", "eval")}
-    write_records(paths["sft"], ({"prompt": q, "response": pool[q][0]} for q in
-                                 (rng.choice(train_q) for _ in range(n_sft))))
+    sft = []
+    for _ in range(n_sft):
+        q, r, _ = arithmetic_problem(rng, wrong_answer_rate)
+        while q not in train_q_set:
+            q, r, _ = arithmetic_problem(rng, wrong_answer_rate)
+        sft.append({"prompt": q, "response": r})
+    write_records(paths["sft"], sft)
     write_records(paths["rl"], ({"prompt": q, "answer": str(pool[q][1])} for q in
                                 (rng.choice(train_q) for _ in range(n_rl))))
     write_records(paths["eval"], ({"prompt": q, "answer": str(pool[q][1])} for q in eval_q))

@@ -1,6 +1,6 @@
 """``klear-eval``: avg@k / pass@k of a model on JSONL benchmarks, or re-judging saved samples.
 
-  klear-eval --model DIR --benchmark aime=aime24.jsonl --benchmark lcb=lcb.jsonl:code \\
+  klear-eval --model DIR --benchmark aime=aime24.jsonl --benchmark lcb=lcb.jsonl@code \\
              --k 16 --temperature 1.0 --max-new-tokens 32768 --out-dir eval/
   klear-eval --rejudge eval/samples.jsonl
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -25,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF model dir or megatron-klear checkpoint dir")
     p.add_argument("--benchmark", action="append", default=[],
-                   help="name=path.jsonl[:reward] (reward: math or code; default math)")
+                   help="[name=]path.jsonl[@reward] (reward: math, code or pkg.mod:fn; "
+                        "default math)")
     p.add_argument("--prompt-key", default="prompt")
     p.add_argument("--answer-key", default="answer")
     p.add_argument("--answer-format", default=None, help="e.g. gsm8k ('#### N' answers)")
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
                launch_embedded_servers(str(hf_dir), args.num_servers, seed=args.seed))
     with servers:
         report = evaluate(RolloutClient(servers.urls), tokenizer, benches, k=args.k,
-                          params=params, samples_path=out / "samples.jsonl")
+                          params=params, samples_path=out / "samples.jsonl", seed=args.seed)
     write_report(report, out, {"model": str(args.model), "k": args.k,
                                "temperature": args.temperature, "top_p": args.top_p,
                                "max_new_tokens": args.max_new_tokens})

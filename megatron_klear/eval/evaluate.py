@@ -35,9 +35,10 @@ class Benchmark:
 
 
 def parse_benchmark(spec: str, **defaults: Any) -> Benchmark:
-    """``name=path[:reward]`` or a bare path (name = file stem)."""
-    name, _, rest = spec.rpartition("=") if "=" in spec else ("", "", spec)
-    path, _, reward = rest.partition(":") if rest.count(":") == 1 else (rest, "", "")
+    """``[name=]path[@reward]``: name defaults to the file stem, reward to ``math``
+    (``code``, or an import path ``pkg.module:function``)."""
+    name, _, rest = spec.partition("=") if "=" in spec else ("", "", spec)
+    path, _, reward = rest.partition("@")
     fields = dict(defaults)
     if reward:
         fields["reward"] = reward
@@ -59,8 +60,12 @@ def _done(samples_path: Path) -> dict[tuple[str, int], list[dict]]:
 
 def evaluate(client: RolloutClient, tokenizer: Any, benchmarks: Sequence[Benchmark], *,
              k: int, params: SamplingParams, samples_path: str | Path | None = None,
-             batch_problems: int = 16, progress: bool = True) -> dict[str, dict]:
-    """Sample ``k`` responses per problem, score them, and return the report per benchmark."""
+             batch_problems: int = 16, progress: bool = True, seed: int = 0) -> dict[str, dict]:
+    """Sample ``k`` responses per problem, score them, and return the report per benchmark.
+
+    Problem i is sampled with ``sampling_seed`` derived from (seed, i): results do not
+    depend on batching or on which server answers, so a resumed run matches a full one.
+    """
     samples_path = Path(samples_path) if samples_path else None
     done = _done(samples_path) if samples_path else {}
     if samples_path and any(len(recs) != k for recs in done.values()):
@@ -78,7 +83,7 @@ def evaluate(client: RolloutClient, tokenizer: Any, benchmarks: Sequence[Benchma
                    disable=not progress)
         for start in range(0, len(todo), batch_problems):
             chunk = todo[start:start + batch_problems]
-            new = _sample_and_score(client, tokenizer, bench, chunk, params)
+            new = _sample_and_score(client, tokenizer, bench, chunk, params, seed)
             if samples_path:
                 with samples_path.open("a") as f:
                     f.write("".join(json.dumps(r) + "\n" for r in new))
@@ -90,10 +95,12 @@ def evaluate(client: RolloutClient, tokenizer: Any, benchmarks: Sequence[Benchma
     return summarize(records, k)
 
 
-def _sample_and_score(client, tokenizer, bench: Benchmark, problems, params) -> list[dict]:
+def _sample_and_score(client, tokenizer, bench: Benchmark, problems, params, seed: int
+                      ) -> list[dict]:
     prompts = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)
                ["input_ids"] for p in problems]
-    gens = client.generate(prompts, params)
+    gens = client.generate(prompts, params, [(seed * 1_000_003 + p.index) % 2**31
+                                             for p in problems])
     flat = [(p, g) for p, group in zip(problems, gens) for g in group]
     scores = score_batch(bench.reward, [g.text for _, g in flat], [p.label for p, _ in flat])
     return [{"benchmark": bench.name, "problem": p.index, "reward_name": bench.reward,

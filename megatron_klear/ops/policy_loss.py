@@ -150,19 +150,23 @@ class _GatherVocab(torch.autograd.Function):
         return grad[..., begin:begin + ctx.local], None, None, None
 
 
-def _reference_logprobs(logits: Tensor, targets: Tensor, shard: _Shard, temperature: float
-                        ) -> tuple[Tensor, Tensor]:
-    """(logp, entropy) [T] from a full-vocabulary fp32 log_softmax (the specification)."""
+def _reference_logprobs(logits: Tensor, targets: Tensor, shard: _Shard, temperature: float,
+                        compute_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """(logp, entropy or None) [T] from a full-vocabulary fp32 log_softmax (the specification)."""
     x = logits.float()
     if shard.group is not None:
         x = _GatherVocab.apply(x, shard.group, shard.rank, shard.size)
-    x = x / temperature
+    if temperature != 1.0:
+        x = x / temperature
     padding = torch.arange(x.shape[-1], device=x.device) >= shard.vocab_size
-    x = x.masked_fill(padding, float("-inf"))
+    if padding.any():
+        x = x.masked_fill(padding, float("-inf"))
     logp_all = torch.log_softmax(x, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-    finite = logp_all.masked_fill(padding, 0.0)   # 0 * -inf would poison the gradient
-    return logp, -(finite.exp() * finite).masked_fill(padding, 0.0).sum(-1)
+    if not compute_entropy:
+        return logp, None
+    finite = torch.where(torch.isinf(logp_all), 0.0, logp_all)   # p log p = 0 where p = 0
+    return logp, -(logp_all.exp() * finite).sum(-1)
 
 
 # --------------------------------------------------------------------------- fused kernels
@@ -206,9 +210,10 @@ class _FusedLogProbs(torch.autograd.Function):
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
         grad_ent = None if grad_entropy is None else grad_entropy.float().contiguous()
-        grad = _extension_ops().logprob_backward(
-            logits, target_local, lse, entropy, grad_logp.float().contiguous(), grad_ent,
-            ctx.valid, ctx.inv_temp, ctx.inplace)
+        ops = _extension_ops()
+        backward = ops.logprob_backward_ if ctx.inplace else ops.logprob_backward
+        grad = backward(logits, target_local, lse, entropy, grad_logp.float().contiguous(),
+                        grad_ent, ctx.valid, ctx.inv_temp)
         return grad, None, None, None, None
 
 
@@ -234,9 +239,9 @@ class _FusedTokenLoss(torch.autograd.Function):
 # --------------------------------------------------------------------------- public API
 
 def _logprobs(logits: Tensor, target_ids: Tensor, *, tp_group, vocab_size: int | None,
-              temperature: float, backend: str, inplace: bool = False
-              ) -> tuple[Tensor, Tensor, str]:
-    """Flat (logp [T], entropy [T]) of the targets and the backend that computed them."""
+              temperature: float, backend: str, compute_entropy: bool, inplace: bool = False
+              ) -> tuple[Tensor, Tensor | None, str]:
+    """Flat (logp [T], entropy [T] or None) of the targets and the backend that computed them."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (got {temperature})")
     rows = logits.reshape(-1, logits.shape[-1])
@@ -244,11 +249,19 @@ def _logprobs(logits: Tensor, target_ids: Tensor, *, tp_group, vocab_size: int |
     targets = _check_targets(target_ids, shard, rows.shape[0])
     backend = resolve_backend(backend, logits.device)
     if backend == "torch":
-        return (*_reference_logprobs(rows, targets, shard, temperature), backend)
+        return (*_reference_logprobs(rows, targets, shard, temperature, compute_entropy), backend)
     target_local = (targets - shard.start).contiguous()
     logp, entropy = _FusedLogProbs.apply(rows.contiguous(), target_local, shard,
                                          1.0 / temperature, inplace)
-    return logp, entropy, backend
+    return logp, entropy if compute_entropy else None, backend
+
+
+def _per_token(name: str, values: Tensor, lead: torch.Size) -> Tensor:
+    """``values`` flattened to [T] after checking it is shaped like the targets."""
+    if values.shape != lead:
+        raise ValueError(f"{name} must be shaped like the targets {tuple(lead)}; got "
+                         f"{tuple(values.shape)}")
+    return values.reshape(-1)
 
 
 def _per_token_advantages(advantages: Tensor, lead: torch.Size) -> Tensor:
@@ -280,10 +293,10 @@ def vocab_parallel_policy_loss(
     lead = logits.shape[:-1]
     logp, entropy, used = _logprobs(logits, target_ids, tp_group=tp_group, vocab_size=vocab_size,
                                     temperature=temperature, backend=backend,
-                                    inplace=inplace_backward)
-    old = old_logprobs.reshape(-1).float()
+                                    compute_entropy=compute_entropy, inplace=inplace_backward)
+    old = _per_token("old_logprobs", old_logprobs, lead).float()
     adv = _per_token_advantages(advantages, lead)
-    mask = loss_mask.reshape(-1)
+    mask = _per_token("loss_mask", loss_mask, lead)
     if used != "torch" and loss_type in _KERNEL_LOSS_TYPES:
         hyper = (eps_low, eps_high, beta1, beta2, -1.0 if dual_clip is None else dual_clip)
         per_token, ratio = _FusedTokenLoss.apply(logp, old, adv, loss_type, hyper)
@@ -294,7 +307,7 @@ def vocab_parallel_policy_loss(
         ratio = torch.exp(logp - old).detach()
     metrics = policy_metrics(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)
     return PolicyLossOutput(aggregate(per_token, mask, normalizer), logp.view(lead),
-                            ratio.view(lead), entropy.view(lead) if compute_entropy else None,
+                            ratio.view(lead), None if entropy is None else entropy.view(lead),
                             metrics)
 
 
@@ -306,6 +319,6 @@ def vocab_parallel_logprobs(logits: Tensor, target_ids: Tensor, tp_group=None,
     with torch.no_grad():
         logp, entropy, _ = _logprobs(logits, target_ids, tp_group=tp_group,
                                      vocab_size=vocab_size, temperature=temperature,
-                                     backend=backend)
+                                     backend=backend, compute_entropy=compute_entropy)
     lead = logits.shape[:-1]
-    return logp.view(lead), entropy.view(lead) if compute_entropy else None
+    return logp.view(lead), None if entropy is None else entropy.view(lead)

@@ -121,6 +121,21 @@ class Engine:
         metrics["update_skipped"] = float(not ok)
         return metrics
 
+    def save(self, step: int, extra: dict) -> None:
+        """Checkpoint model, optimizer, schedule, RNG and ``extra`` (data position) to --save."""
+        from megatron_klear.checkpoint.state import save_checkpoint
+        from megatron_klear.config import to_dict
+
+        save_checkpoint(self.cfg.save, step, self.model, optimizer=self.optimizer,
+                        scheduler=self.scheduler, extra={**extra, "config": to_dict(self.cfg)},
+                        hf_config=self.arch.hf_config, keep_last=self.cfg.keep_last)
+
+    def export_hf(self, out_dir: str, tokenizer_dir: str | None = None) -> None:
+        """Write the model in Hugging Face format (collective; any TP/PP)."""
+        from megatron_klear.checkpoint.convert import export_model_to_hf
+
+        export_model_to_hf(self.model, self.arch, out_dir, tokenizer_dir=tokenizer_dir)
+
     @torch.no_grad()
     def forward_only(self, microbatches: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
         """Forward passes (e.g. old log-probs); per-micro-batch outputs on the last stage."""

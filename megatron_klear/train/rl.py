@@ -9,7 +9,6 @@ token-level mean over the mini-batch -> weight sync to the rollout servers.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.algo.losses import sft_loss
-from megatron_klear.config import ConfigError, TrainConfig, opt, parse_config, to_dict
+from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.train.engine import Engine, broadcast_from_last_stage, build_engine, \
@@ -64,6 +63,8 @@ class RLConfig(TrainConfig):
     export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
 
     def validate(self) -> None:  # noqa: D102
+        # sequences per optimizer step follow from the mini-batch of prompts
+        self.global_batch_size = self.mini_batch_size * self.n_samples_per_prompt
         super().validate()
         for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
             if not getattr(self, name):
@@ -143,7 +144,7 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, beta1=cfg.gppo_beta1,
             beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip, temperature=cfg.rollout_temperature,
             normalizer=max(n_tokens, 1.0), compute_entropy=False, tp_group=tp_group,
-            vocab_size=vocab_size)
+            vocab_size=vocab_size, inplace_backward=True)  # logits are not read after backward
         sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
         loss = out.loss + cfg.sft_alpha * sft
         tokens = mask.sum()
@@ -241,18 +242,18 @@ def train(cfg: RLConfig) -> list[dict]:
             metrics = rl_step(engine, cfg, client, tokenizer, stream, params)
             step += 1
             metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
+            if cfg.eval_data and cfg.eval_interval and step % cfg.eval_interval == 0:
+                metrics.update(periodic_eval(cfg, client, tokenizer))
             metrics["data/consumed_prompts"] = stream.consumed
             log.log(step, metrics)
             history.append(metrics)
             if cfg.save and (step == cfg.train_iters or
                              (cfg.save_interval and step % cfg.save_interval == 0)):
-                save(engine, step, stream.consumed)
+                engine.save(step, {"consumed_prompts": stream.consumed})
         sync.close()
     log.close()
     if cfg.export_hf:
-        from megatron_klear.checkpoint.convert import export_model_to_hf
-
-        export_model_to_hf(engine.model, arch, cfg.export_hf, tokenizer_dir=cfg.hf_checkpoint)
+        engine.export_hf(cfg.export_hf, cfg.hf_checkpoint)
     return history
 
 
@@ -270,6 +271,7 @@ def rl_step(engine: Engine, cfg: RLConfig, client: Any, tokenizer: Any, stream: 
     t_rollout = time.time() - t0
     metrics = dict(batch.stats)
     metrics["time/rollout_s"] = t_rollout
+    metrics["data/prompt_indices"] = sorted(set(batch.prompt_index))
     if batch.groups() == 0:  # every group was uninformative: nothing to learn this step
         return metrics
     usable = batch.groups() // cfg.mini_batch_size * cfg.mini_batch_size or batch.groups()
@@ -286,27 +288,38 @@ def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> di
     if cfg.probe_weights:
         probe_ids = list(range(1, min(engine.arch.vocab_size, 33)))
         trainer_lp = trainer_sequence_logprobs(engine.model[0], engine.arch, probe_ids)
-        diff = sync.probe(probe_ids, trainer_lp) if trainer_lp is not None else None
-        metrics["weight_sync/probe_max_abs_diff"] = broadcast_from_last_stage(diff)
+        probe = (sync.probe(probe_ids, trainer_lp), float(trainer_lp.mean())) \
+            if trainer_lp is not None else None
+        diff, mean_lp = broadcast_from_last_stage(probe)
+        metrics["weight_sync/probe_max_abs_diff"] = diff
+        metrics["weight_sync/probe_logprob_mean"] = mean_lp  # moves when the weights move
     return metrics
 
 
-def save(engine: Engine, step: int, consumed: int) -> None:
-    """Checkpoint the full training state with the prompt-stream position."""
-    from megatron_klear.checkpoint.state import save_checkpoint
+def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
+    """avg@k / pass@k of the current policy on ``--eval-data`` (rank 0 evaluates)."""
+    from megatron_klear.eval.evaluate import Benchmark, evaluate
+    from megatron_klear.rollout.client import SamplingParams
 
-    cfg = engine.cfg
-    save_checkpoint(cfg.save, step, engine.model, optimizer=engine.optimizer,
-                    scheduler=engine.scheduler,
-                    extra={"consumed_prompts": consumed, "config": to_dict(cfg)},
-                    hf_config=engine.arch.hf_config, keep_last=cfg.keep_last)
+    report = None
+    if torch.distributed.get_rank() == 0:
+        bench = Benchmark(name="eval", path=cfg.eval_data, reward=cfg.reward,
+                          prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                          answer_format=cfg.answer_format)
+        params = SamplingParams(max_new_tokens=cfg.rollout_max_response_len,
+                                temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
+                                stop_token_ids=[tokenizer.eos_token_id])
+        report = evaluate(client, tokenizer, [bench], k=cfg.eval_k, params=params,
+                          progress=False)["eval"]
+    report = broadcast_batch(report)
+    return {f"eval/{k}": v for k, v in report.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``klear-rl``: parse flags, run RL, exit non-zero with a clear message on bad input."""
-    from megatron_klear.cli import run_main
+    from megatron_klear.cli import trainer_main
 
-    run_main(lambda: train(parse_config(RLConfig, argv, prog="klear-rl")))
+    trainer_main(RLConfig, train, argv, "klear-rl")
 
 
 if __name__ == "__main__":

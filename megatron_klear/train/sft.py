@@ -9,17 +9,16 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.config import ConfigError, TrainConfig, opt, parse_config, to_dict
+from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import build_packed_batch, pack_greedy
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-from megatron_klear.train.engine import Engine, build_engine, restore_or_init
+from megatron_klear.train.engine import build_engine, restore_or_init
 from megatron_klear.train.metrics import MetricsLogger
 from megatron_klear.train.token_loss import token_nll
 
@@ -134,36 +133,18 @@ def train(cfg: SFTConfig) -> list[dict]:
         history.append(metrics)
         if cfg.save and (step == cfg.train_iters or
                          (cfg.save_interval and step % cfg.save_interval == 0)):
-            save(engine, step, consumed)
+            engine.save(step, {"consumed_bins": consumed})
     log.close()
     if cfg.export_hf:
-        export_hf(engine, cfg.export_hf, cfg.hf_checkpoint)
+        engine.export_hf(cfg.export_hf, cfg.hf_checkpoint)
     return history
-
-
-def save(engine: Engine, step: int, consumed: int) -> None:
-    """Checkpoint the full training state with the data position."""
-    from megatron_klear.checkpoint.state import save_checkpoint
-
-    cfg = engine.cfg
-    save_checkpoint(cfg.save, step, engine.model, optimizer=engine.optimizer,
-                    scheduler=engine.scheduler, extra={"consumed_bins": consumed,
-                                                       "config": to_dict(cfg)},
-                    hf_config=engine.arch.hf_config, keep_last=cfg.keep_last)
-
-
-def export_hf(engine: Engine, out_dir: str, tokenizer_dir: str | None) -> None:
-    """Write the model in Hugging Face format through the conversion bridge."""
-    from megatron_klear.checkpoint.convert import export_model_to_hf
-
-    export_model_to_hf(engine.model, engine.arch, out_dir, tokenizer_dir=tokenizer_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``klear-sft``: parse flags, run SFT, exit non-zero with a clear message on bad input."""
-    from megatron_klear.cli import run_main
+    from megatron_klear.cli import trainer_main
 
-    run_main(lambda: train(parse_config(SFTConfig, argv, prog="klear-sft")))
+    trainer_main(SFTConfig, train, argv, "klear-sft")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Shared launch logic of the example scripts (sourced, not run).
+#   launch MODULE ARGS...   torchrun over NNODES x GPUS_PER_NODE, or, with --dry-run among
+#                           ARGS, one local process that validates the config (no GPUs).
+set -euo pipefail
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+PYTHON=${PYTHON:-python}
+export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+
+launch() {
+  local module=$1; shift
+  if [[ " $* " == *" --dry-run "* ]]; then
+    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) "$PYTHON" -m "$module" "$@"
+  else
+    "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+      --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" \
+      --master-port "$MASTER_PORT" -m "$module" "$@"
+  fi
+}

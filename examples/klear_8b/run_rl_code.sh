@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Stage 3, GPPO on code from the math RL checkpoint (same launch as run_rl_math.sh).
+HERE=$(cd "$(dirname "$0")" && pwd)
+source "$HERE/../common.sh"
+NNODES=${NNODES:-2}
+OUT=${OUT:-/ckpt/klear-8b}
+MODEL=${MODEL:-$OUT/rl_math_hf}
+DATA=${CODE_DATA:-/data/klear/code_rl.jsonl}
+ROLLOUT_URLS=${ROLLOUT_URLS:-http://rollout-0:30000 http://rollout-0:30001}
+# shellcheck disable=SC2086
+launch megatron_klear.train.rl --config "$HERE/rl_code.yaml" --hf-checkpoint "$MODEL" \
+  --load "$OUT/rl_math" --prompt-data "$DATA" --rollout-urls $ROLLOUT_URLS \
+  --save "$OUT/rl_code" --export-hf "$OUT/rl_code_hf" "$@"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Stage 1, SFT of Qwen3-8B-Base on 4 nodes x 8 GPUs (TP4 x PP2 x DP4). Run on every node:
+#   NNODES=4 NODE_RANK=<i> MASTER_ADDR=<node0> bash examples/klear_8b/run_sft.sh
+# Add --dry-run to validate the config on any machine (no GPUs).
+HERE=$(cd "$(dirname "$0")" && pwd)
+source "$HERE/../common.sh"
+NNODES=${NNODES:-4}
+MODEL=${MODEL:-/models/Qwen3-8B-Base}
+DATA=${SFT_DATA:-/data/klear/sft_long_cot.jsonl}
+OUT=${OUT:-/ckpt/klear-8b}
+launch megatron_klear.train.sft --config "$HERE/sft.yaml" --hf-checkpoint "$MODEL" \
+  --data-path "$DATA" --save "$OUT/sft" --export-hf "$OUT/sft_hf" "$@"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPPO on one 8-GPU node: GPUs 0-3 train (TP4), GPUs 4-7 serve rollouts (2 SGLang servers
+# of TP2). MODEL is an HF checkpoint (e.g. the SFT export).
+#   MODEL=/ckpt/klear-8b/sft_hf DATA=/data/math_rl.jsonl bash examples/single_node_8gpu/run_rl.sh
+# Add --dry-run to validate the config without GPUs.
+HERE=$(cd "$(dirname "$0")" && pwd)
+source "$HERE/../common.sh"
+GPUS_PER_NODE=4
+MODEL=${MODEL:-/ckpt/klear-8b/sft_hf}
+DATA=${DATA:-/data/klear/math_rl.jsonl}
+OUT=${OUT:-/ckpt/klear-8b-1node}
+urls=""
+if [[ " $* " != *" --dry-run "* ]]; then
+  for i in 0 1; do
+    CUDA_VISIBLE_DEVICES=$((4 + 2 * i)),$((5 + 2 * i)) "$PYTHON" -m sglang.launch_server \
+      --model-path "$MODEL" --tp 2 --port $((30000 + i)) --mem-fraction-static 0.85 &
+    urls="$urls http://127.0.0.1:$((30000 + i))"
+  done
+  trap 'kill $(jobs -p) 2>/dev/null' EXIT
+fi
+export CUDA_VISIBLE_DEVICES=0,1,2,3
+# shellcheck disable=SC2086
+launch megatron_klear.train.rl --config "$HERE/../klear_8b/rl_math.yaml" --hf-checkpoint "$MODEL" \
+  --pipeline-model-parallel-size 1 --prompt-data "$DATA" --save "$OUT" \
+  ${urls:+--rollout-urls $urls} "$@"

@@ -1,0 +1,55 @@
+"""Every example script parses (bash -n) and validates its config with --dry-run, no GPUs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "examples").rglob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_bash_syntax(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+TRAINERS = [s for s in SCRIPTS if s.name.startswith("run_")]
+
+
+@pytest.mark.parametrize("script", TRAINERS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_dry_run_validates_config(script):
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert out["dry_run"]["data_parallel_size"] >= 1
+    assert out["config"]["bf16"] is True
+
+
+def test_dry_run_rejects_inconsistent_layout():
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", NNODES="1",
+               GPUS_PER_NODE="6")  # TP4 x PP2 = 8 does not divide 6 GPUs
+    proc = subprocess.run(["bash", "examples/klear_8b/run_sft.sh", "--dry-run"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "does not divide" in proc.stderr
+
+
+def test_launch_sglang_dry_run_prints_servers():
+    proc = subprocess.run(["bash", "examples/klear_8b/launch_sglang.sh", "--dry-run"], cwd=ROOT,
+                          env=dict(os.environ, SERVER_TP="2", HOST="10.0.0.5"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.count("sglang.launch_server") == 4 and "http://10.0.0.5:30003" in proc.stdout
+
+
+def test_quickstart_dry_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_klear.quickstart", "--dry-run",
+                           "--out", str(tmp_path / "qs")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("config OK") == 2 and not (tmp_path / "qs").exists()

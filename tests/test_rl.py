@@ -1,0 +1,181 @@
+"""GPPO RL trainer: hand-computed loss on a fixed batch, and real runs with embedded servers."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_klear.train.metrics import read_metrics
+from tests.dist import run_distributed
+
+EPS_L, EPS_H, ALPHA = 0.2, 0.28, 0.1
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    from megatron_klear.models.tiny import save_tiny_hf_model
+
+    return save_tiny_hf_model(tmp_path_factory.mktemp("rl") / "hf", seed=0, std=0.2)
+
+
+def _fixed_batch():
+    from megatron_klear.algo.advantages import group_advantages
+    from megatron_klear.train.rl_data import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    b = RolloutBatch(group_size=2)
+    b.rewards = [1.0, 0.5, 0.0, 1.0]  # 0.5: a partially passing code answer, NOT positive
+    for i, (lp, lr) in enumerate([(5, 4), (5, 6), (7, 3), (7, 5)]):
+        b.prompt_ids.append(torch.randint(0, 100, (lp,), generator=g).tolist()
+                            if i % 2 == 0 else b.prompt_ids[-1])
+        b.response_ids.append(torch.randint(0, 100, (lr,), generator=g).tolist())
+        b.rollout_logprobs.append([0.0] * lr)
+        b.prompt_index.append(i // 2)
+        b.truncated.append(False)
+    b.advantages = group_advantages(torch.tensor(b.rewards), 2).tolist()
+    return b
+
+
+def _hand_step(rank, world, hf_dir):
+    """The trainer's loss on a fixed batch vs the GPPO table applied to HF log-probs."""
+    from transformers import Qwen3ForCausalLM
+
+    from megatron_klear.checkpoint.convert import SafetensorsReader
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.engine import build_engine
+    from megatron_klear.train.rl import RLConfig, pad_microbatches, policy_loss_fn
+
+    batch = _fixed_batch()
+    # advantages by hand: group (1, 0.5): mean .75, unbiased std .3536 -> +-0.7071
+    want_adv = [0.25 / math.sqrt(0.125), -0.25 / math.sqrt(0.125), -0.5 / math.sqrt(0.5),
+                0.5 / math.sqrt(0.5)]
+    assert all(abs(a - w) < 1e-4 for a, w in zip(batch.advantages, want_adv))
+
+    cfg = RLConfig(hf_checkpoint=str(hf_dir), prompt_data="unused", tensor_model_parallel_size=world,
+                   mini_batch_size=2, rollout_batch_size=2, n_samples_per_prompt=2,
+                   micro_batch_size=2)
+    arch = qwen3_config_from_hf(load_hf_config(hf_dir))
+    engine = build_engine(cfg, arch, with_optimizer=False)
+    load_hf_weights(engine.model, arch, SafetensorsReader(hf_dir))
+    seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
+    mbs = pad_microbatches(batch, list(range(4)), 2, 0, seq_len)
+
+    hf = Qwen3ForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").float()
+    g = torch.Generator().manual_seed(1)
+    n_tok = sum(len(r) for r in batch.response_ids)
+    n_pos = sum(len(r) for r, w in zip(batch.response_ids, batch.rewards) if w >= 1.0)
+    gppo = sft = 0.0
+    clip_low = clip_high = 0
+    for mb in mbs:  # old log-probs = HF log-probs shifted by +-0.5 or 0 -> every GPPO case
+        with torch.no_grad():
+            logits = hf(input_ids=mb["tokens"]).logits
+        logp = torch.log_softmax(logits, -1).gather(-1, mb["labels"][..., None])[..., 0]
+        delta = (torch.randint(0, 3, logp.shape, generator=g) - 1) * 0.5
+        mb["old_logprobs"] = logp + delta
+        mb["entropy"] = torch.zeros_like(logp)
+        ratio = torch.exp(-delta)
+        adv, mask = mb["advantages"], mb["loss_mask"]
+        low = (adv < 0) & (ratio < 1 - EPS_L)
+        high = (adv > 0) & (ratio > 1 + EPS_H)
+        per_tok = torch.where(low, -(1 - EPS_L) * adv, torch.where(high, -(1 + EPS_H) * adv,
+                                                                    -ratio * adv))
+        gppo += float((per_tok * mask).sum()) / n_tok
+        sft += float((-logp * mask * mb["positive"]).sum()) / n_pos
+        clip_low += int((low & (mask > 0)).sum())
+        clip_high += int((high & (mask > 0)).sum())
+    assert clip_low > 0 and clip_high > 0
+    stored = engine.forward_only(mbs, policy_loss_fn(cfg, arch.vocab_size, n_tok, n_pos))
+    if not stored:
+        return None
+    got = {k: sum(float(m[k]) for m in stored) for k in stored[0]}
+    return dict(got=got, want=dict(loss=gppo + ALPHA * sft, policy=gppo, sft=sft,
+                                   clip_low=clip_low / n_tok, clip_high=clip_high / n_tok),
+                n_tok=n_tok)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_loss_and_clip_fractions_match_hand_computation(hf_model, tp):
+    r = run_distributed(_hand_step, tp, hf_model)[-1]
+    got, want, n = r["got"], r["want"], r["n_tok"]
+    assert abs(got["train/policy_loss"] - want["policy"]) < 1e-5
+    assert abs(got["train/sft_loss"] - want["sft"]) < 1e-5
+    assert abs(got["train/loss"] - want["loss"]) < 1e-5
+    assert abs(got["train/clipfrac_low"] / n - want["clip_low"]) < 1e-6
+    assert abs(got["train/clipfrac_high"] / n - want["clip_high"]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rlp") / "prompts.jsonl"
+    rows = [{"prompt": f"Say something about {i}.", "answer": "never" if i % 2 else "x"}
+            for i in range(12)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rl_args(hf, data, save, iters, *extra):
+    return ["--hf-checkpoint", str(hf), "--prompt-data", str(data), "--save", str(save),
+            "--reward", "tests.reward_plugins:parity_reward", "--rollout-batch-size", "4",
+            "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
+            "--rollout-max-response-len", "12", "--lr", "1e-3",
+            "--train-iters", str(iters), "--seed", "3", "--no-progress-bar", *extra]
+
+
+def _rl_train(rank, world, argv):
+    from megatron_klear.config import parse_config
+    from megatron_klear.train.rl import RLConfig, train
+
+    return train(parse_config(RLConfig, argv))
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2"]], ids=["tp2", "pp2"])
+def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
+    args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, "--eval-data", str(prompts),
+                    "--eval-interval", "2", "--eval-k", "2")
+    hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
+    assert len(hist) == 3
+    assert "eval/avg@2" not in hist[0] and hist[1]["eval/problems"] == 12  # periodic eval
+    assert 0.0 <= hist[1]["eval/avg@2"] <= hist[1]["eval/pass@2"] <= 0.5  # "never" half is 0
+    for m in hist:
+        assert m["rollout/groups_kept"] == 4  # refilled to the full batch ...
+        assert m["rollout/prompts_drawn"] > 4  # ... past the "never" groups it dropped
+        assert m["rollout/zero_adv_frac"] > 0
+        assert m["train/optimizer_steps"] == 2
+        assert m["weight_sync/probe_max_abs_diff"] < 1e-4  # server == trainer after sync
+    means = [m["weight_sync/probe_logprob_mean"] for m in hist]
+    assert all(abs(a - b) > 1e-5 for a, b in zip(means, means[1:]))  # weights moved each step
+    assert (tmp_path / "ck" / "metrics.jsonl").exists()
+
+
+def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
+                        *_rl_args(hf_model, prompts, save, 4, "--save-interval", "1")]
+    subprocess.run(cli(tmp_path / "ref"), check=True, env=env, capture_output=True)
+    proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    subprocess.run(cli(tmp_path / "run"), check=True, env=env, capture_output=True)
+    ref = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")}
+    got = {r["step"]: r for r in read_metrics(metrics)}
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    for step in ref:
+        for key in ("train/loss", "train/policy_loss", "rollout/reward_mean",
+                    "data/consumed_prompts", "data/prompt_indices"):
+            assert got[step][key] == ref[step][key], (step, key)
