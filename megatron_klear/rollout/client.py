@@ -206,10 +206,6 @@ class RolloutClient:
         """GET ``path`` on every server concurrently: {url: reply}."""
         return self._run_sync(self._all("GET", path, None))
 
-    async def apost_all(self, path: str, payload: dict | None = None) -> dict[str, Any]:
-        """Async :meth:`post_all`."""
-        return await self._all("POST", path, payload)
-
     async def _all(self, method: str, path: str, payload: dict | None) -> dict[str, Any]:
         async with self._session() as session:
             async def one(url: str) -> Any:

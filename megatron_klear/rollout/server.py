@@ -13,8 +13,9 @@ and a real torch.distributed group:
 * health/admin: ``/health``, ``/health_generate``, ``/flush_cache``, ``/model_info``,
   ``/get_weight_version``, ``/pause_generation``, ``/continue_generation``;
 * weight updates: ``/init_weights_update_group``, ``/begin_weight_update``,
-  ``/update_weights_from_distributed`` (per tensor or ``load_format="flattened_bucket"``: one
-  uint8 buffer holding the tensors' bytes back to back in request order),
+  ``/update_weights_from_distributed`` (per tensor -- received straight into the matching
+  parameter -- or ``load_format="flattened_bucket"``: one uint8 buffer holding the tensors'
+  bytes back to back in request order, received into a reused buffer),
   ``/end_weight_update``, ``/destroy_weights_update_group``. Updates outside begin/end are
   refused (sglang >= 0.5.19 rule).
 
