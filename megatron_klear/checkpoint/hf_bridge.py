@@ -130,24 +130,32 @@ def split_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
+def _cat(shards: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat, without a copy for a single shard (TP=1)."""
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
+
+
 def merge_shards(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list[torch.Tensor]:
-    """The full HF tensors (in ``Rule.hf`` order) from all TP ranks' shards, rank order."""
+    """The full HF tensors (in ``Rule.hf`` order) from all TP ranks' shards, rank order.
+
+    At TP=1 the results may be views of the shards.
+    """
     if kind == "replicated":
         return [shards[0]]
     if kind == "row":
-        return [torch.cat(shards, dim=1)]
+        return [_cat(shards, dim=1)]
     if kind == "vocab":
-        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
+        return [_cat(shards)[: arch.vocab_size]]
     if kind == "qkv":
         groups, per_group, head_dim = _qkv_groups(arch)
         hidden = shards[0].shape[-1]
-        stacked = torch.cat(shards, dim=0).reshape(groups, per_group + 2, head_dim, hidden)
+        stacked = _cat(shards).reshape(groups, per_group + 2, head_dim, hidden)
         return [stacked[:, :per_group].reshape(-1, hidden),
                 stacked[:, per_group].reshape(-1, hidden),
                 stacked[:, per_group + 1].reshape(-1, hidden)]
     if kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
@@ -317,14 +325,17 @@ def _gather_tp(shard: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def export_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch, *,
+                      copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield full HF-named tensors for the layers of THIS pipeline stage.
 
     Collective over the tensor-parallel group: every TP rank of the stage must iterate it
     to the end, and every TP rank receives the full tensors. Vocabulary padding is
     stripped; with tied embeddings ``lm_head.weight`` is not emitted (HF convention).
-    Tensors keep the parameters' dtype and are fresh copies.
+    Tensors keep the parameters' dtype. With ``copy=True`` they are contiguous tensors that
+    share no memory with the model (safe to keep or save); with ``copy=False`` they may be
+    views of the parameters, valid until the next optimizer step (weight sync packs them
+    into its own buffers, so it skips the extra copy).
     """
     tp, _, group = _tp()
     for _, param, rule, hf in _params(model_chunks, arch):
@@ -332,7 +343,9 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
             continue
         merged = merge_shards(rule.kind, _gather_tp(param.detach(), tp, group), arch)
         for n, t in zip(hf, merged):
-            yield n, t.clone() if rule.kind == "replicated" else t.contiguous()
+            shared = t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+            yield n, (t.clone(memory_format=torch.contiguous_format) if copy and shared
+                      else t.contiguous())
 
 
 def hf_state_dict_from_megatron(model_chunks: list[torch.nn.Module], arch: Qwen3Arch

@@ -231,7 +231,7 @@ class WeightSync:
     def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
         from megatron_klear.checkpoint.hf_bridge import export_hf_weights
 
-        for name, t in export_hf_weights(self.model_chunks, self.arch):
+        for name, t in export_hf_weights(self.model_chunks, self.arch, copy=False):
             yield name, t if self.dtype is None else t.to(self.dtype)
 
     def _pack(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str,

@@ -288,8 +288,8 @@ def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> di
     if cfg.probe_weights:
         probe_ids = list(range(1, min(engine.arch.vocab_size, 33)))
         trainer_lp = trainer_sequence_logprobs(engine.model[0], engine.arch, probe_ids)
-        probe = (sync.probe(probe_ids, trainer_lp), float(trainer_lp.mean())) \
-            if trainer_lp is not None else None
+        asks = trainer_lp is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+        probe = (sync.probe(probe_ids, trainer_lp), float(trainer_lp.mean())) if asks else None
         diff, mean_lp = broadcast_from_last_stage(probe)
         metrics["weight_sync/probe_max_abs_diff"] = diff
         metrics["weight_sync/probe_logprob_mean"] = mean_lp  # moves when the weights move
