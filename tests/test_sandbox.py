@@ -219,3 +219,19 @@ def test_environment_is_an_allow_list(clean, monkeypatch):
     env = json.loads(res.stdout)
     assert set(env) <= set(SANDBOX_ENV) | {"LC_CTYPE"}
     assert "hunter2" not in res.stdout.decode()
+
+
+def test_works_from_a_venv_under_tmp(tmp_path):
+    """The sandbox hides /tmp; a caller whose venv lives there must still run programs."""
+    import site
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from megatron_klear.rewards.sandbox import SandboxJob, run_python\n"
+            "r = run_python(SandboxJob({'main.py': 'print(6 * 7)'}, 'main.py'))\n"
+            "print(r.returncode, r.stdout.decode().strip())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, *site.getsitepackages()]))
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert str(tmp_path).startswith("/tmp") and out.stdout.split() == ["0", "42"], out.stderr

@@ -210,6 +210,11 @@ def _read_result(workdir: str, cap: int) -> bytes | None:
         return None
 
 
+# The bare base interpreter (stdlib only), never the venv's: a venv may live under /tmp,
+# which the sandbox hides behind its private work dir.
+BASE_PYTHON = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
 def run_python(job: SandboxJob) -> SandboxResult:
     """Run ``job`` in a fresh sandbox and return its outputs; never leaves a process behind."""
     lim = job.limits
@@ -220,7 +225,8 @@ def run_python(job: SandboxJob) -> SandboxResult:
         cfg = {"workdir": workdir, "uid": uid, "cpu_s": lim.cpu_s or lim.wall_s,
                "memory_mb": lim.memory_mb, "max_processes": lim.max_processes,
                "file_bytes": lim.file_bytes, "open_files": lim.open_files,
-               "env": SANDBOX_ENV, "prefix": os.path.realpath(sys.base_prefix), "argv": [sys.executable, "-I", job.main, *job.args]}
+               "env": SANDBOX_ENV, "prefix": os.path.realpath(sys.base_prefix),
+               "argv": [BASE_PYTHON, "-I", job.main, *job.args]}
         start = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER, json.dumps(cfg)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
