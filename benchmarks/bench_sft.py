@@ -34,7 +34,7 @@ def gsm8k_samples(path: Path, tokenizer, limit: int):
 def train_tokens_per_s(samples, seq_length: int, packed: bool, steps: int, bins_per_step: int):
 
     from megatron_klear.config import TrainConfig
-    from megatron_klear.data.packing import build_packed_batch, pack_greedy
+    from megatron_klear.data.packing import build_packed_batch, pack_bins
     from megatron_klear.models.qwen3 import qwen3_config_from_hf
     from megatron_klear.models.tiny import tiny_qwen3_config
     from megatron_klear.train.engine import build_engine
@@ -45,7 +45,7 @@ def train_tokens_per_s(samples, seq_length: int, packed: bool, steps: int, bins_
                       global_batch_size=bins_per_step, lr=1e-3, seed=0)
     engine = build_engine(cfg, arch)
     lengths = [len(ids) for ids, _ in samples]
-    bins = pack_greedy(lengths, seq_length) if packed else [[i] for i in range(len(samples))]
+    bins = pack_bins(lengths, seq_length, window=256 if packed else 1)
     real = 0
     t0 = time.perf_counter()
     for step in range(steps):

@@ -3,20 +3,23 @@
 import pytest
 import torch
 
-from megatron_klear.data.packing import build_packed_batch, pack_greedy, padding_fraction
+from megatron_klear.data.packing import build_packed_batch, pack_bins, padding_fraction
 from tests.dist import run_distributed
 
 VOCAB = 103
 
 
-def test_pack_greedy_keeps_order_and_fits():
-    lengths = [5, 9, 3, 12, 7, 2, 8]
-    bins = pack_greedy(lengths, 16)
-    assert [i for b in bins for i in b] == list(range(len(lengths)))
-    assert all(sum(lengths[i] - 1 for i in b) <= 16 for b in bins)
-    assert bins == [[0, 1, 2], [3], [4, 5, 6]]  # hand-packed: (4+8+2), (11), (6+1+7)
+def test_pack_bins_first_fit_decreasing_by_hand():
+    lengths = [5, 9, 3, 12, 7, 2, 8]  # next-token positions 4, 8, 2, 11, 6, 1, 7
+    bins = pack_bins(lengths, 16)
+    # by hand: 11 -> A; 8 -> B; 7 -> B(15); 6 -> C; 4 -> A(15); 2 -> C(8); 1 -> A(16)
+    assert bins == [[0, 3, 5], [1, 6], [2, 4]]
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert pack_bins(lengths, 16, window=1) == [[i] for i in range(7)]
+    # windows never mix: samples 0-2 and 3-5 are packed apart
+    assert all(max(b) < 3 or min(b) >= 3 for b in pack_bins([4, 4, 4, 4, 4, 4], 16, window=3))
     with pytest.raises(ValueError, match="sample 0"):
-        pack_greedy([30], 16)
+        pack_bins([30], 16)
 
 
 def test_mask_is_block_diagonal_causal():
@@ -60,7 +63,7 @@ def _per_sample_losses(rank, world):
                 out[idx] = float(nll[row][b["segment_ids"][row] == seg].sum())
         return out
 
-    packed = losses(pack_greedy([len(s[0]) for s in samples], 24), 24)
+    packed = losses(pack_bins([len(s[0]) for s in samples], 24), 24)
     alone = losses([[i] for i in range(len(samples))], 24)
     return packed, alone
 

@@ -12,23 +12,31 @@ from typing import Sequence
 import torch
 
 
-def pack_greedy(lengths: Sequence[int], bin_size: int) -> list[list[int]]:
-    """Group sample indices, in order, into bins whose token counts fit ``bin_size``.
+def pack_bins(lengths: Sequence[int], bin_size: int, window: int = 256) -> list[list[int]]:
+    """Group sample indices into bins whose next-token positions fit ``bin_size``.
 
-    Order is kept (a sample never moves ahead of an earlier one), so the data position of
-    a run is simply the number of bins consumed.
+    First-fit decreasing inside consecutive windows of ``window`` samples: bins are a
+    deterministic function of the sample order (so the data position of a run is the
+    number of bins consumed), and no sample moves to another window. ``window=1`` puts
+    every sample in its own bin.
     """
     bins: list[list[int]] = []
-    used = bin_size + 1
-    for i, n in enumerate(lengths):
-        need = n - 1  # next-token positions
-        if need > bin_size:
-            raise ValueError(f"sample {i} has {n} tokens, more than the bin ({bin_size} + 1)")
-        if used + need > bin_size:
-            bins.append([])
-            used = 0
-        bins[-1].append(i)
-        used += need
+    for start in range(0, len(lengths), window):
+        members = range(start, min(start + window, len(lengths)))
+        opened: list[tuple[list[int], list[int]]] = []  # ([used], indices)
+        for i in sorted(members, key=lambda j: (-lengths[j], j)):
+            need = lengths[i] - 1
+            if need > bin_size:
+                raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the bin "
+                                 f"({bin_size} + 1)")
+            for used, idx in opened:
+                if used[0] + need <= bin_size:
+                    used[0] += need
+                    idx.append(i)
+                    break
+            else:
+                opened.append(([need], [i]))
+        bins += [sorted(idx) for _, idx in opened]
     return bins
 
 
@@ -65,6 +73,6 @@ def build_packed_batch(samples: Sequence[tuple[list[int], list[int]]], bins: Seq
 
 def padding_fraction(lengths: Sequence[int], seq_length: int, packed: bool) -> float:
     """Fraction of bin slots that hold padding, packed or one sample per bin."""
-    bins = pack_greedy(lengths, seq_length) if packed else [[i] for i in range(len(lengths))]
+    bins = pack_bins(lengths, seq_length, window=256 if packed else 1)
     used = sum(n - 1 for n in lengths)
     return 1.0 - used / (len(bins) * seq_length)

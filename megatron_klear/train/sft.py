@@ -15,7 +15,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.config import ConfigError, TrainConfig, opt
-from megatron_klear.data.packing import build_packed_batch, pack_greedy
+from megatron_klear.data.packing import build_packed_batch, pack_bins
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.train.engine import build_engine, restore_or_init
@@ -56,11 +56,9 @@ class BinSchedule:
         if e not in self._epoch_bins:
             order = list(range(len(self.samples)))
             random.Random(self.seed * 1000003 + e).shuffle(order)
-            if self.pack:
-                lengths = [len(self.samples[i].input_ids) for i in order]
-                bins = [[order[j] for j in b] for b in pack_greedy(lengths, self.seq_length)]
-            else:
-                bins = [[i] for i in order]
+            lengths = [len(self.samples[i].input_ids) for i in order]
+            bins = [[order[j] for j in b] for b in
+                    pack_bins(lengths, self.seq_length, window=256 if self.pack else 1)]
             self._epoch_bins = {e: bins}  # keep one epoch in memory
         return self._epoch_bins[e]
 
