@@ -6,20 +6,24 @@ import sys
 from typing import Any, Callable
 
 
+def bad_input_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean the user's input is wrong (answered with one line and exit 2)."""
+    from megatron_klear.checkpoint.convert import ConversionError
+    from megatron_klear.checkpoint.hf_bridge import BridgeError
+    from megatron_klear.checkpoint.state import CheckpointError
+    from megatron_klear.config import ConfigError
+    from megatron_klear.data.prompts import DataError
+
+    return (ConfigError, DataError, ConversionError, BridgeError, CheckpointError,
+            FileNotFoundError)
+
+
 def run_main(fn: Callable[[], Any]) -> Any:
     """Run ``fn``; a bad-input error prints one clear line and exits with status 2."""
-    from megatron_klear.config import ConfigError
-
-    bad_input: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError)
-    try:
-        from megatron_klear.data.prompts import DataError
-
-        bad_input += (DataError,)
-    except ImportError:  # pragma: no cover
-        pass
+    errors = bad_input_errors()
     try:
         return fn()
-    except bad_input as exc:
+    except errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     finally:
