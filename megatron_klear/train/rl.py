@@ -20,7 +20,7 @@ from megatron_klear.algo.losses import sft_loss
 from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
-from megatron_klear.train.engine import Engine, broadcast_from_last_stage, build_engine, \
+from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
 from megatron_klear.train.metrics import MetricsLogger
 from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
@@ -290,7 +290,9 @@ def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> di
         trainer_lp = trainer_sequence_logprobs(engine.model[0], engine.arch, probe_ids)
         asks = trainer_lp is not None and parallel_state.get_tensor_model_parallel_rank() == 0
         probe = (sync.probe(probe_ids, trainer_lp), float(trainer_lp.mean())) if asks else None
-        diff, mean_lp = broadcast_from_last_stage(probe)
+        held = [None] * torch.distributed.get_world_size()  # one rank asked: share its answer
+        torch.distributed.all_gather_object(held, probe)
+        diff, mean_lp = next(p for p in held if p is not None)
         metrics["weight_sync/probe_max_abs_diff"] = diff
         metrics["weight_sync/probe_logprob_mean"] = mean_lp  # moves when the weights move
     return metrics
