@@ -45,7 +45,8 @@ class SFTConfig(TrainConfig):
 
 
 class BinSchedule:
-    """The deterministic stream of packed bins: epoch e is a seeded shuffle, then packing."""
+    """The deterministic stream of packed bins: epoch e is a seeded shuffle, packing, and a
+    seeded shuffle of the bins."""
 
     def __init__(self, samples: Sequence[SFTSample], seq_length: int, seed: int, pack: bool):
         self.samples, self.seq_length, self.seed, self.pack = samples, seq_length, seed, pack
@@ -59,6 +60,8 @@ class BinSchedule:
             lengths = [len(self.samples[i].input_ids) for i in order]
             bins = [[order[j] for j in b] for b in
                     pack_bins(lengths, self.seq_length, window=256 if self.pack else 1)]
+            # packing emits bins by length inside a window: shuffle so steps stay i.i.d.
+            random.Random(self.seed * 1000003 + e + 1).shuffle(bins)
             self._epoch_bins = {e: bins}  # keep one epoch in memory
         return self._epoch_bins[e]
 
