@@ -136,7 +136,8 @@ def _rl_train(rank, world, argv):
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
-                                    ["--pipeline-model-parallel-size", "2"]], ids=["tp2", "pp2"])
+                                    ["--pipeline-model-parallel-size", "2",
+                                     "--weight-sync-format", "per_tensor"]], ids=["tp2", "pp2"])
 def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
     args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, "--eval-data", str(prompts),
                     "--eval-interval", "2", "--eval-k", "2")
