@@ -41,6 +41,14 @@ def write_records(path: str | os.PathLike, records: Iterable[dict]) -> None:
     _atomic(path, write)
 
 
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a text file atomically."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    _atomic(os.fspath(path), write)
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write a JSON report atomically."""
     def write(tmp: str) -> None:

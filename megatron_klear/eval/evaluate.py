@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 from tqdm import tqdm
 
 from megatron_klear.data.prompts import load_prompt_dataset, render_prompt
+from megatron_klear.data.records_io import write_text
 from megatron_klear.rewards import score_batch
 from megatron_klear.rewards.metrics import pass_at_k
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
@@ -70,7 +71,7 @@ def evaluate(client: RolloutClient, tokenizer: Any, benchmarks: Sequence[Benchma
     done = _done(samples_path) if samples_path else {}
     if samples_path and any(len(recs) != k for recs in done.values()):
         done = {key: recs for key, recs in done.items() if len(recs) == k}  # drop partials
-        _atomic_write(samples_path, "".join(json.dumps(r) + "\n" for recs in done.values()
+        write_text(samples_path, "".join(json.dumps(r) + "\n" for recs in done.values()
                                             for r in recs))
     params = SamplingParams(**{**params.__dict__, "n": k})
     records: list[dict] = [r for recs in done.values() for r in recs]
@@ -155,20 +156,14 @@ def write_report(report: dict[str, dict], out_dir: str | Path, meta: dict | None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"benchmarks": report, **({"meta": meta} if meta else {})}
-    _atomic_write(out / "report.json", json.dumps(payload, indent=2))
+    write_text(out / "report.json", json.dumps(payload, indent=2))
     cols = sorted({c for row in report.values() for c in row})
     lines = ["| benchmark | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, row in report.items():
         lines.append(f"| {name} | " + " | ".join(_fmt(row.get(c)) for c in cols) + " |")
-    _atomic_write(out / "report.md", "\n".join(lines) + "\n")
+    write_text(out / "report.md", "\n".join(lines) + "\n")
     return out / "report.json"
 
 
 def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
