@@ -7,7 +7,7 @@ block-diagonal causal, so a packed sample sees exactly what it would see alone.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -40,9 +40,12 @@ def pack_bins(lengths: Sequence[int], bin_size: int, window: int = 256) -> list[
     return bins
 
 
-def build_packed_batch(samples: Sequence[tuple[list[int], list[int]]], bins: Sequence[Sequence[int]],
-                       seq_length: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """A micro-batch [len(bins), seq_length] from (input_ids, loss_mask) samples.
+def build_packed_batch(samples: Sequence[tuple[list[int], list[int]]]
+                       | Mapping[int, tuple[list[int], list[int]]],
+                       bins: Sequence[Sequence[int]], seq_length: int, pad_id: int = 0
+                       ) -> dict[str, torch.Tensor]:
+    """A micro-batch [len(bins), seq_length] from (input_ids, loss_mask) samples, indexed
+    by the sample ids in ``bins``.
 
     Returns tokens, labels, loss_mask, position_ids, segment_ids (-1 on padding) and a
     boolean attention_mask [b, 1, s, s] (True = masked) for megatron-core.

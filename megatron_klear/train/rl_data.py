@@ -107,9 +107,7 @@ def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[
     batch.rewards = [float(r) for r in score_batch(reward, texts, labels, num_workers=reward_workers)]
     batch.advantages = group_advantages(torch.tensor(batch.rewards, dtype=torch.float64),
                                         params.n, normalize_std=normalize_std).tolist()
-    n_tokens = sum(len(r) for r in batch.response_ids)
-    batch.stats = {"time/generate_s": t_gen, "time/reward_s": time.time() - t0,
-                   "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)}
+    batch.stats = {"time/generate_s": t_gen, "time/reward_s": time.time() - t0}
     return batch
 
 

@@ -82,7 +82,7 @@ class BinSchedule:
 def make_microbatches(samples: Sequence[SFTSample], bins: Sequence[list[int]], cfg: SFTConfig
                       ) -> tuple[list[dict], float]:
     """This DP rank's micro-batches of a global batch, and the global loss-token count."""
-    pairs = [(s.input_ids, s.loss_mask) for s in samples]
+    pairs = {i: (samples[i].input_ids, samples[i].loss_mask) for b in bins for i in b}
     total = float(sum(sum(samples[i].loss_mask[1:]) for b in bins for i in b))
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
