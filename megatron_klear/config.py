@@ -22,6 +22,9 @@ __all__ = ["ConfigError", "TrainConfig", "parse_config", "flag", "to_dict"]
 
 T = TypeVar("T", bound="TrainConfig")
 
+# megatron-core's selective-recompute modules that exist in a dense (non-MoE, non-MLA) model
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the flag and the fix."""
@@ -51,6 +54,29 @@ class TrainConfig:
     # parallelism
     tensor_model_parallel_size: int = opt(1, "tensor-parallel size")
     pipeline_model_parallel_size: int = opt(1, "pipeline-parallel size")
+    # GPU-scale memory features (issue 13). This exact block is shared by two branches:
+    # paste it verbatim right after the pipeline_model_parallel_size line of TrainConfig.
+    sequence_parallel: bool = opt(False, "sequence parallelism over the TP group (needs TP > 1)")
+    recompute_granularity: str | None = opt(None, "activation recompute",
+                                            choices=(None, "full", "selective"))
+    recompute_method: str | None = opt(None, "full recompute: which layers",
+                                       choices=(None, "uniform", "block"))
+    recompute_num_layers: int | None = opt(None, "full recompute: layers per group (uniform) "
+                                                 "or recomputed layers per stage (block)")
+    recompute_modules: list[str] | None = opt(None, "selective recompute: modules, e.g. "
+                                                    "core_attn")
+    use_distributed_optimizer: bool = opt(False, "shard optimizer state over data-parallel ranks")
+    overlap_grad_reduce: bool = opt(False, "overlap the DP grad reduce with backward")
+    overlap_param_gather: bool = opt(False, "overlap the DP param all-gather with forward "
+                                            "(needs --use-distributed-optimizer)")
+    optimizer_cpu_offload: bool = opt(False, "keep optimizer state and master weights on CPU")
+    transformer_impl: str = opt("local", "layer implementation: transformer_engine (GPU) or "
+                                         "megatron-core's local spec",
+                                choices=("transformer_engine", "local"))
+    loss_backend: str = opt("auto", "fused loss backend; auto: cuda on GPU (error if the "
+                                    "extension lacks CUDA), cpu kernel on CPU",
+                            choices=("auto", "cuda", "cpu", "torch"))
+    gpu_memory_gb: float = opt(80.0, "per-GPU memory the --dry-run memory plan must fit")
     # batch
     micro_batch_size: int = opt(1, "sequences per micro-batch")
     global_batch_size: int = opt(8, "sequences per optimizer step (across data-parallel ranks)")
@@ -95,6 +121,39 @@ class TrainConfig:
                 (self.lr_decay_style != "constant" and self.lr_warmup_iters >= self.decay_iters > 0):
             raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must be smaller than "
                               f"--lr-decay-iters {self.decay_iters}")
+        self._validate_memory_features()
+
+    def _validate_memory_features(self) -> None:
+        """Sequence parallel, recompute and distributed-optimizer flags that contradict."""
+        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it "
+                              "splits activations over the TP group)")
+        if self.sequence_parallel and self.seq_length % self.tensor_model_parallel_size:
+            raise ConfigError(f"--sequence-parallel needs --seq-length {self.seq_length} to be a "
+                              f"multiple of --tensor-model-parallel-size "
+                              f"{self.tensor_model_parallel_size}")
+        full = self.recompute_granularity == "full"
+        if full and (self.recompute_method is None or self.recompute_num_layers is None):
+            raise ConfigError("--recompute-granularity full needs --recompute-method "
+                              "{uniform,block} and --recompute-num-layers N")
+        if not full and (self.recompute_method is not None or
+                         self.recompute_num_layers is not None):
+            raise ConfigError("--recompute-method and --recompute-num-layers apply only to "
+                              "--recompute-granularity full")
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
+            raise ConfigError(f"--recompute-num-layers must be >= 1, got "
+                              f"{self.recompute_num_layers}")
+        if self.recompute_modules and self.recompute_granularity != "selective":
+            raise ConfigError("--recompute-modules applies only to --recompute-granularity "
+                              "selective")
+        bad = sorted(set(self.recompute_modules or ()) - set(RECOMPUTE_MODULES))
+        if bad:
+            raise ConfigError(f"--recompute-modules {bad}: not a dense-model module; choose from "
+                              f"{list(RECOMPUTE_MODULES)}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+        if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
+            raise ConfigError("--optimizer-cpu-offload needs --use-distributed-optimizer")
 
     @property
     def decay_iters(self) -> int:

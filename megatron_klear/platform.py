@@ -9,7 +9,19 @@ dist_checkpointing) runs on CPU under gloo:
   factories, ``Tensor.to`` and ``Tensor.cuda``;
 * ``torch.cuda.current_device`` / ``synchronize`` / stream stubs;
 * CUDA RNG get/set/seed redirected to the CPU generator, which megatron's RNG tracker uses;
-* no-argument ``Tensor.type()`` reporting a cuda type name (megatron's grad clipping asserts it).
+* no-argument ``Tensor.type()`` reporting a cuda type name (megatron's grad clipping asserts it);
+* the mode re-entered in custom autograd ``Function.backward`` and tensor hooks, which autograd
+  runs with an empty mode stack (megatron's activation recompute re-runs the forward there).
+
+Strict device mode (``KLEAR_STRICT_DEVICES=1``, for tests): the emulation additionally
+plays a *virtual CUDA device*. Every tensor that would live on the GPU on a GPU machine is
+tagged (by storage) as CUDA: tensors created or moved with a device naming CUDA, and the
+outputs of every op with a CUDA input (a ``TorchDispatchMode`` sees every aten op, in forward,
+backward, recompute and optimizer steps alike). Such tensors report ``device.type == "cuda"``
+and :func:`device` returns ``cuda:LOCAL_RANK``, so the code under test takes its GPU path. An
+op that mixes CUDA and CPU tensors where CUDA torch would refuse (anything but copies, CPU
+scalars and CPU index tensors), or a collective on a CPU tensor (NCCL refuses those), raises
+:class:`DeviceMismatchError`. See tests/test_placement.py.
 
 This is the ONLY module that knows the trainer may run without CUDA; everything else is
 written as if on GPU. :func:`setup` is idempotent.
@@ -19,12 +31,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["Platform", "setup", "cuda_available", "device", "backend", "is_emulated"]
+__all__ = ["Platform", "setup", "cuda_available", "device", "backend", "is_emulated",
+           "DeviceMismatchError", "STRICT_ENV"]
+
+STRICT_ENV = "KLEAR_STRICT_DEVICES"
 
 
 def cuda_available() -> bool:
@@ -32,9 +50,14 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _strict() -> bool:
+    return not cuda_available() and os.environ.get(STRICT_ENV, "0") == "1"
+
+
 def device() -> torch.device:
-    """The device the trainer computes on (cuda:LOCAL_RANK on GPU, cpu otherwise)."""
-    if cuda_available():
+    """The device the trainer computes on (cuda:LOCAL_RANK on GPU and in strict device mode,
+    cpu otherwise)."""
+    if cuda_available() or _strict():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -59,20 +82,145 @@ _TO = {torch.Tensor.to}
 _CUDA_METHODS = {torch.Tensor.cuda}
 
 
+def _names_cuda(dev) -> bool | None:
+    """True/False when ``dev`` is a device spec naming CUDA/another device; None otherwise."""
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.split(":")[0] == "cuda"
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        return True
+    return None
+
+
+def _target_device(func, args, kwargs) -> bool | None:
+    """Whether a call places its result on CUDA (True), elsewhere (False), or inherits (None)."""
+    if func in _CUDA_METHODS:
+        return True
+    if func is torch.Tensor.cpu:
+        return False
+    if "device" in kwargs and kwargs["device"] is not None:
+        return _names_cuda(kwargs["device"])
+    if func in _TO and len(args) > 1:
+        if torch.is_tensor(args[1]):
+            return _TAGS.is_cuda(args[1])
+        return _names_cuda(args[1])
+    if func is torch.Tensor.new_tensor:
+        return _TAGS.is_cuda(args[0])
+    return None
+
+
 class _CudaToCpuMode(TorchFunctionMode):
-    """Redirects every tensor creation or move that names CUDA to the CPU."""
+    """Redirects every tensor creation or move that names CUDA to the CPU (and, in strict
+    device mode, tags the results as CUDA and answers device queries for tagged tensors)."""
+
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__()
+        self.strict = strict
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if self.strict and func in _DEVICE_QUERIES:
+            return _DEVICE_QUERIES[func](args[0])
+        target = _target_device(func, args, kwargs) if self.strict else None
         if func in _CUDA_METHODS:
-            return args[0]
-        if "device" in kwargs:
-            kwargs["device"] = _redirect(kwargs["device"])
-        if func in _TO:
-            args = tuple(_redirect(a) if isinstance(a, (str, torch.device)) else a for a in args)
-            if len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
-                args = (args[0], "cpu") + args[2:]
-        return func(*args, **kwargs)
+            out = args[0]
+        else:
+            if "device" in kwargs:
+                kwargs["device"] = _redirect(kwargs["device"])
+            if func in _TO:
+                args = tuple(_redirect(a) if isinstance(a, (str, torch.device)) else a
+                             for a in args)
+                if len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
+                    args = (args[0], "cpu") + args[2:]
+            out = func(*args, **kwargs)
+        if target is not None:
+            if _is_move(func) and _TAGS.is_cuda(args[0]) != target and \
+                    out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
+                out = out.clone()  # a real device move copies; the source keeps its device
+            _TAGS.set(out, target)
+        return out
+
+
+def _is_move(func) -> bool:
+    return func in _TO or func in _CUDA_METHODS or func is torch.Tensor.cpu
+
+
+# --------------------------------------------------------------------------- strict devices
+
+class DeviceMismatchError(RuntimeError):
+    """An op that would mix CUDA and CPU tensors on a GPU machine (strict device mode)."""
+
+
+class _DeviceTags:
+    """Which storages would live on the GPU, keyed by storage address (CPU is the default)."""
+
+    def __init__(self) -> None:
+        self.cuda: set[int] = set()
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            return 0
+
+    def is_cuda(self, t: torch.Tensor) -> bool:
+        return self._key(t) in self.cuda
+
+    def set(self, out, on_cuda: bool) -> None:
+        for t in tree_leaves(out):
+            if torch.is_tensor(t) and self._key(t):
+                (self.cuda.add if on_cuda else self.cuda.discard)(self._key(t))
+
+
+_TAGS = _DeviceTags()
+_VIRTUAL_CUDA = torch.device("cuda", 0)
+_DEVICE_QUERIES = {
+    torch.Tensor.device.__get__: lambda t: _VIRTUAL_CUDA if _TAGS.is_cuda(t) else t.device,
+    torch.Tensor.is_cuda.__get__: lambda t: _TAGS.is_cuda(t) or t.is_cuda,
+    torch.Tensor.get_device: lambda t: 0 if _TAGS.is_cuda(t) else t.get_device(),
+}
+# ops CUDA torch runs across devices: copies, and indexing with CPU index tensors
+_CROSS_DEVICE = {"aten::copy_", "aten::_to_copy", "aten::index.Tensor", "aten::index_put_",
+                 "aten::index_put", "aten::_index_put_impl_", "aten::set_"}
+
+
+def _in_object_collective() -> bool:
+    """True inside torch's *_object collectives, which pick the tensor device from the backend."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name.endswith(("_object", "_object_list")) and \
+                frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _DeviceCheckMode(TorchDispatchMode):
+    """Propagates CUDA tags through every aten op and raises where CUDA torch would."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_cuda = [_TAGS.is_cuda(t) for t in tensors]
+        name = func.name()
+        if name.startswith("c10d::"):
+            if not all(on_cuda[i] or not t.numel() for i, t in enumerate(tensors)) and \
+                    not _in_object_collective():
+                raise DeviceMismatchError(
+                    f"{name} on a CPU tensor: NCCL (the GPU backend) only moves CUDA tensors")
+        elif any(on_cuda) and name not in _CROSS_DEVICE:
+            cpu = [tuple(t.shape) for t, c in zip(tensors, on_cuda) if not c and t.dim()]
+            if cpu:
+                raise DeviceMismatchError(
+                    f"{name} mixes CUDA tensors with CPU tensors of shapes {cpu}: on a GPU "
+                    "machine this op fails (a tensor was not moved to platform.device())")
+        out = func(*args, **kwargs)
+        if name in ("aten::copy_", "aten::set_"):
+            return out
+        _TAGS.set(out, any(on_cuda))
+        return out
 
 
 _CUDA_TYPE_NAMES = {
@@ -170,6 +318,30 @@ class _NullEvent:
         return 0.0
 
 
+def _keep_mode_in_backward(mode: TorchFunctionMode) -> None:
+    """Re-enter ``mode`` in Python code that autograd runs during backward.
+
+    The autograd engine runs custom ``Function.backward`` methods and tensor hooks with an
+    empty torch-function-mode stack, so without this megatron's recompute (which re-runs the
+    forward inside backward) would create real CUDA tensors and fail.
+    """
+    from torch.autograd.function import BackwardCFunction
+    from torch.overrides import _get_current_function_mode_stack
+
+    def entered(fn):
+        def run(*args, **kwargs):
+            if mode in _get_current_function_mode_stack():
+                return fn(*args, **kwargs)
+            with mode:
+                return fn(*args, **kwargs)
+        return run
+
+    backward_apply = BackwardCFunction.apply
+    BackwardCFunction.apply = lambda self, *args: entered(backward_apply)(self, *args)
+    register_hook = torch.Tensor.register_hook
+    torch.Tensor.register_hook = lambda self, hook: register_hook(self, entered(hook))
+
+
 @dataclass(frozen=True)
 class Platform:
     """What :func:`setup` chose."""
@@ -191,8 +363,14 @@ def setup() -> Platform:
         _patch_cuda_module()
         _patch_megatron_rng()
         _patch_tensor_type()
-        mode = _CudaToCpuMode()
+        strict = _strict()
+        if strict:
+            check = _DeviceCheckMode()
+            check.__enter__()
+            _STATE["check"] = check
+        mode = _CudaToCpuMode(strict)
         mode.__enter__()  # global for the process: megatron creates tensors everywhere
+        _keep_mode_in_backward(mode)
         _STATE["mode"] = mode
     else:
         torch.cuda.set_device(device())

@@ -21,8 +21,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (LayerNormImpl,
+                                                         TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 
 from megatron_klear.config import ConfigError
+from megatron_klear.models.norms import norm_specs
 
 try:  # Transformer Engine is optional (GPU only)
     import transformer_engine  # noqa: F401
@@ -33,7 +37,7 @@ except Exception:  # pragma: no cover - TE is never importable on the CPU CI mac
     HAVE_TE = False
 
 __all__ = ["Qwen3Arch", "qwen3_config_from_hf", "load_hf_config", "padded_vocab_size",
-           "layer_spec", "transformer_config", "build_gpt_model", "HAVE_TE",
+           "layer_spec", "block_spec", "transformer_config", "TRANSFORMER_IMPLS", "build_gpt_model", "HAVE_TE",
            "ConfigError"]
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -124,12 +128,52 @@ def check_parallel_layout(arch: Qwen3Arch, tp: int, pp: int) -> None:
                           f"num_hidden_layers={arch.num_layers}")
 
 
-def layer_spec(use_te: bool | None = None) -> ModuleSpec:
-    """Transformer Engine spec when TE imports (GPU), megatron-core's local spec otherwise."""
-    use_te = HAVE_TE if use_te is None else use_te
-    if use_te:
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+def layer_spec(transformer_impl: str = "local") -> ModuleSpec:
+    """The Qwen3 layer spec of ``--transformer-impl``; never picks Transformer Engine silently.
+
+    ``local``: megatron-core's local spec with :mod:`megatron_klear.models.norms` RMSNorms
+    (which, unlike megatron's torch-norm wrapper, support sequence parallelism).
+    """
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ConfigError(f"--transformer-impl {transformer_impl!r}: choose from "
+                          f"{list(TRANSFORMER_IMPLS)}")
+    if transformer_impl == "transformer_engine":
+        if not HAVE_TE:
+            raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not "
+                              "installed (pip install transformer-engine[pytorch]); pass "
+                              "--transformer-impl local to use megatron-core's local spec")
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
-    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    norm, qk_norm = norm_specs()
+    sub = spec.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = norm
+    sub.self_attention.submodules.q_layernorm = qk_norm
+    sub.self_attention.submodules.k_layernorm = qk_norm
+    return spec
+
+
+def block_spec(config: TransformerConfig, transformer_impl: str = "local"
+               ) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers plus the final norm (the local spec's must support SP)."""
+    layer = layer_spec(transformer_impl)
+    block = TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config),
+        layer_norm=LayerNormImpl if transformer_impl == "transformer_engine" else norm_specs()[0])
+    return block
+
+
+def check_memory_features(config: TransformerConfig, transformer_impl: str) -> None:
+    """Raise :class:`ConfigError` for recompute modules megatron-core cannot run without TE."""
+    modules = set(config.recompute_modules or ()) if config.recompute_granularity == \
+        "selective" else set()
+    if not HAVE_TE and modules - {"core_attn"}:
+        # megatron-core 0.16.1 references TE's FP8GlobalStateManager when recomputing these
+        raise ConfigError(f"--recompute-modules {sorted(modules - {'core_attn'})} needs "
+                          "Transformer Engine installed (megatron-core 0.16.1 fails without it);"
+                          " use --recompute-modules core_attn or --recompute-granularity full")
 
 
 def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
@@ -166,7 +210,6 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         init_method_std=0.02,
-        use_cpu_initialization=True,
     )
     kwargs.update(overrides)
     cfg = TransformerConfig(**kwargs)
@@ -184,15 +227,17 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
 
 
 def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: bool | None = None,
-                    post_process: bool | None = None, use_te: bool | None = None) -> GPTModel:
-    """One pipeline stage of the Qwen3 GPTModel (stage flags default to this rank's)."""
+                    post_process: bool | None = None, transformer_impl: str = "local") -> GPTModel:
+    """One pipeline stage of the Qwen3 GPTModel, built on the device (stage flags default to
+    this rank's)."""
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    check_memory_features(config, transformer_impl)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=block_spec(config, transformer_impl),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

@@ -60,6 +60,12 @@ MicroBatch = dict  # "tokens", "position_ids", optional "attention_mask", plus l
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+def to_device(batch: MicroBatch) -> MicroBatch:
+    """The micro-batch with every tensor on the compute device (the engine's one place for it)."""
+    dev = platform.device()
+    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 @dataclass
 class Engine:
     """A Qwen3 model at a TP/PP layout with its DDP wrappers, optimizer and LR schedule."""
@@ -91,7 +97,7 @@ class Engine:
         scale = len(microbatches) * parallel_state.get_data_parallel_world_size()
 
         def forward_step(data_iterator, model):
-            batch = next(data_iterator)
+            batch = to_device(next(data_iterator))
             logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
 
             def loss_func(output):
@@ -121,11 +127,24 @@ class Engine:
         metrics["update_skipped"] = float(not ok)
         return metrics
 
+    def gather_params(self) -> None:
+        """Make every parameter hold its updated value before it is read outside a forward.
+
+        With ``--use-distributed-optimizer --overlap-param-gather`` the all-gather of the
+        updated shards is deferred into the next forward's pre-hooks, so right after
+        ``optimizer.step()`` the full parameters are stale. Weight sync, HF export and
+        checkpoint save call this first. A no-op without the distributed optimizer.
+        """
+        if self.cfg.use_distributed_optimizer and self.optimizer is not None:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
     def save(self, step: int, extra: dict) -> None:
         """Checkpoint model, optimizer, schedule, RNG and ``extra`` (data position) to --save."""
         from megatron_klear.checkpoint.state import save_checkpoint
         from megatron_klear.config import to_dict
 
+        self.gather_params()
         save_checkpoint(self.cfg.save, step, self.model, optimizer=self.optimizer,
                         scheduler=self.scheduler, extra={**extra, "config": to_dict(self.cfg)},
                         hf_config=self.arch.hf_config, keep_last=self.cfg.keep_last)
@@ -134,6 +153,7 @@ class Engine:
         """Write the model in Hugging Face format (collective; any TP/PP)."""
         from megatron_klear.checkpoint.convert import export_model_to_hf
 
+        self.gather_params()
         export_model_to_hf(self.model, self.arch, out_dir, tokenizer_dir=tokenizer_dir)
 
     @torch.no_grad()
@@ -157,7 +177,8 @@ def sum_metrics(per_microbatch: list[dict]) -> dict[str, float]:
                 totals[k] = totals.get(k, 0.0) + float(v.detach())
     keys = sorted(totals)
     if keys:
-        vec = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+        vec = torch.tensor([totals[k] for k in keys], dtype=torch.float64,
+                           device=platform.device())
         dist.all_reduce(vec, group=parallel_state.get_data_parallel_group())
         totals = dict(zip(keys, vec.tolist()))
     return broadcast_from_last_stage(totals)
@@ -176,28 +197,44 @@ def broadcast_from_last_stage(obj: Any) -> Any:
 
 def data_parallel_all_reduce(value: float | torch.Tensor) -> torch.Tensor:
     """Sum a number over data-parallel ranks (global token counts for the loss normaliser)."""
-    t = torch.as_tensor(value, dtype=torch.float64).clone()
+    t = torch.as_tensor(value, dtype=torch.float64).to(platform.device(), copy=True)
     dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
     return t
 
 
+def model_features(cfg: TrainConfig) -> dict[str, Any]:
+    """TransformerConfig fields of the sequence-parallel and recompute flags."""
+    features: dict[str, Any] = {"sequence_parallel": cfg.sequence_parallel}
+    if cfg.recompute_granularity:
+        features.update(recompute_granularity=cfg.recompute_granularity,
+                        recompute_method=cfg.recompute_method,
+                        recompute_num_layers=cfg.recompute_num_layers)
+    if cfg.recompute_granularity == "selective":
+        features["recompute_modules"] = list(cfg.recompute_modules or ["core_attn"])
+    return features
+
+
 def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> list[torch.nn.Module]:
-    """The model chunks of this rank, optionally wrapped in megatron DDP."""
+    """The model chunks of this rank, built on the device, optionally wrapped in megatron DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     tconf = transformer_config(arch, tp=cfg.tensor_model_parallel_size,
-                               pp=cfg.pipeline_model_parallel_size, params_dtype=dtype)
-    chunks = [build_gpt_model(arch, tconf)]
+                               pp=cfg.pipeline_model_parallel_size, params_dtype=dtype,
+                               **model_features(cfg))
+    chunks = [build_gpt_model(arch, tconf, transformer_impl=cfg.transformer_impl)]
     if not wrap_ddp:
         return chunks
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+        overlap_param_gather=cfg.overlap_param_gather,
+        use_distributed_optimizer=cfg.use_distributed_optimizer)
     return [DistributedDataParallel(config=tconf, ddp_config=ddp_cfg, module=c) for c in chunks]
 
 
 def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
-    """megatron-core AdamW (non-distributed) and its LR/WD scheduler; hooks the schedule up."""
+    """megatron-core AdamW (distributed over DP ranks with --use-distributed-optimizer) and its
+    LR/WD scheduler; hooks the schedule and the DDP grad/param sync up."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -207,7 +244,9 @@ def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad, bf16=cfg.bf16,
         params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
-        use_distributed_optimizer=False)
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        optimizer_cpu_offload=cfg.optimizer_cpu_offload,
+        optimizer_offload_fraction=1.0 if cfg.optimizer_cpu_offload else 0.0)
     optimizer = get_megatron_optimizer(opt_cfg, model)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr,
