@@ -30,8 +30,10 @@ written as if on GPU. :func:`setup` is idempotent.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +138,7 @@ class _CudaToCpuMode(TorchFunctionMode):
             out = func(*args, **kwargs)
         if target is not None:
             if _is_move(func) and _TAGS.is_cuda(args[0]) != target and \
-                    out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
+                    out.untyped_storage() is args[0].untyped_storage():
                 out = out.clone()  # a real device move copies; the source keeps its device
             _TAGS.set(out, target)
         return out
@@ -153,25 +155,39 @@ class DeviceMismatchError(RuntimeError):
 
 
 class _DeviceTags:
-    """Which storages would live on the GPU, keyed by storage address (CPU is the default)."""
+    """Which storages would live on the GPU (CPU is the default).
+
+    Keyed by the storage's Python object, which torch keeps alive exactly as long as the
+    storage itself; a weak reference drops the tag when the storage is freed, so a new
+    storage at a recycled address never inherits a stale tag.
+    """
 
     def __init__(self) -> None:
-        self.cuda: set[int] = set()
+        self.cuda: dict[int, weakref.ref] = {}
 
     @staticmethod
-    def _key(t: torch.Tensor) -> int:
+    def _storage(t: torch.Tensor):
         try:
-            return t.untyped_storage().data_ptr()
+            storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            return 0
+            return None
+        return storage if storage.nbytes() else None
 
     def is_cuda(self, t: torch.Tensor) -> bool:
-        return self._key(t) in self.cuda
+        storage = self._storage(t)
+        ref = self.cuda.get(id(storage)) if storage is not None else None
+        return ref is not None and ref() is storage
 
     def set(self, out, on_cuda: bool) -> None:
         for t in tree_leaves(out):
-            if torch.is_tensor(t) and self._key(t):
-                (self.cuda.add if on_cuda else self.cuda.discard)(self._key(t))
+            storage = self._storage(t) if torch.is_tensor(t) else None
+            if storage is None:
+                continue
+            key = id(storage)
+            if on_cuda:
+                self.cuda[key] = weakref.ref(storage, lambda _, k=key: self.cuda.pop(k, None))
+            else:
+                self.cuda.pop(key, None)
 
 
 _TAGS = _DeviceTags()
@@ -360,6 +376,8 @@ def setup() -> Platform:
         return _STATE["platform"]
     emulated = not cuda_available()
     if emulated:
+        # megatron's RNG tracker warns whenever its "CUDA" generator, here the CPU one, moves
+        logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
         _patch_cuda_module()
         _patch_megatron_rng()
         _patch_tensor_type()

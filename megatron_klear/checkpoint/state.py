@@ -17,8 +17,9 @@ corrupt: :func:`find_latest_checkpoint` skips it with a warning.
 
 Resharding: model weights load at any TP/PP layout (dist_checkpointing reshards them).
 The non-distributed megatron optimizer (the CPU default) stores its Adam moments as
-ShardedTensors keyed like the parameters plus one common step, so it reshards too;
-the distributed optimizer is not supported here. RNG states are restored only when the
+ShardedTensors keyed like the parameters plus one common step, so it reshards too; the
+distributed optimizer saves the same canonical per-parameter layout
+(:data:`OPTIMIZER_METADATA`). RNG states are restored only when the
 layout (TP, PP, world size) is unchanged.
 """
 
@@ -49,6 +50,10 @@ FORMAT_VERSION = 1
 META_FILE = "klear_meta.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+# The distributed optimizer saves its state in the canonical per-parameter layout (gathered
+# over DP), which reshards to any TP/PP/DP; megatron-core 0.16.1's default
+# (fully_sharded_model_space) uses flattened ranges that its dist_checkpointing rejects.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class CheckpointError(RuntimeError):
@@ -179,7 +184,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
     state = _model_sharded_state_dict(model_chunks)
     contents = list(state)
     if optimizer is not None:
-        opt_state = optimizer.sharded_state_dict(state)
+        opt_state = optimizer.sharded_state_dict(state, metadata=OPTIMIZER_METADATA)
         if _has_tensors(opt_state):  # before the first step Adam has no moments to save
             state["optimizer"] = opt_state
     if scheduler is not None:
@@ -300,7 +305,8 @@ def load_checkpoint(load_dir: str | Path, model_chunks: list[torch.nn.Module], *
                               "--num-layers-per-virtual-pipeline-stage to the saved run")
     state = _model_sharded_state_dict(model_chunks)
     if optimizer is not None and "optimizer" in meta["contents"]:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
+                                                          metadata=OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(state, str(path))
     for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks):
         unwrap_model(chunk).load_state_dict(loaded[key])

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron_klear import platform
 from megatron_klear.config import TrainConfig
 from megatron_klear.models.qwen3 import Qwen3Arch, build_gpt_model, transformer_config
+from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> platform.Platform:
@@ -248,6 +249,8 @@ def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
         optimizer_cpu_offload=cfg.optimizer_cpu_offload,
         optimizer_offload_fraction=1.0 if cfg.optimizer_cpu_offload else 0.0)
     optimizer = get_megatron_optimizer(opt_cfg, model)
+    if cfg.use_distributed_optimizer:
+        init_adam_state(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr,
         min_lr=cfg.min_lr if cfg.lr_decay_style != "constant" else cfg.lr,
@@ -292,6 +295,8 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
                                    optimizer=engine.optimizer if with_optimizer else None,
                                    scheduler=engine.scheduler if with_optimizer else None)
             if info is not None:
+                if with_optimizer and cfg.use_distributed_optimizer:
+                    untie_adam_steps(engine.optimizer)
                 return info
     if cfg.hf_checkpoint:
         load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
