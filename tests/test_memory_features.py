@@ -89,9 +89,37 @@ def _train(eng, steps: range) -> list[float]:
     return [eng.train_step(*_batches(s))["loss"] for s in steps]
 
 
+def _sft_loss_paths() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-token NLL and logits grad of the fused SFT loss and of megatron's cross entropy
+    over masked fp32 logits (the SFT loss before issue 13), on this TP rank's vocab shard."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_klear.train.token_loss import token_nll
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(2, 8, 256, generator=g) * 3  # TP2 pads VOCAB to 256
+    labels = torch.randint(0, VOCAB, (2, 8), generator=g)
+    weights = torch.rand(2, 8, generator=g)
+    ids = torch.arange(rank * 128, (rank + 1) * 128)
+    paths = {"fused": lambda x: token_nll(x, labels, VOCAB),
+             "megatron": lambda x: tensor_parallel.vocab_parallel_cross_entropy(
+                 x.float().masked_fill(ids >= VOCAB, float("-inf")), labels)}
+    out = {}
+    for name, nll_of in paths.items():
+        leaf = full[..., rank * 128:(rank + 1) * 128].clone().requires_grad_()
+        nll = nll_of(leaf * 1.0)  # a non-leaf buffer like the model's output (in-place backward)
+        (nll * weights).sum().backward()
+        out[name] = (nll.detach(), leaf.grad)
+    return out
+
+
 # ------------------------------------------------------------------ launch 1: TP2 (2 ranks)
 def _tp2_flags(rank, world, ckpt):
-    results = {}
+    from megatron_klear.train.engine import initialize_parallel
+
+    initialize_parallel(2, 1)
+    results = {"sft_loss": _sft_loss_paths()}
     for name, flags in {"none": {}, "sequence_parallel": dict(sequence_parallel=True),
                         **RECOMPUTE}.items():
         eng = _engine(tp=2, **flags)
@@ -203,3 +231,12 @@ def test_distributed_optimizer_state_reshards_tp2_to_pp2(tp2):
         assert got["iteration"] == 2
         for a, b in zip(got["losses"], want):  # TP2 and PP2 round differently (~1e-6)
             assert abs(a - b) < 1e-5, (got["losses"], want)
+
+
+def test_fused_sft_loss_equals_megatron_cross_entropy(tp2):
+    for rank in tp2[1]:
+        (nll, grad), (ref_nll, ref_grad) = rank["sft_loss"]["fused"], rank["sft_loss"]["megatron"]
+        # another summation order than megatron's: equal to fp32 rounding (measured 5e-7)
+        torch.testing.assert_close(nll, ref_nll, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+        assert grad.abs().sum() > 0 and (nll - ref_nll).abs().max() < 1e-6

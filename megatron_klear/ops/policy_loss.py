@@ -313,12 +313,16 @@ def vocab_parallel_policy_loss(
 
 def vocab_parallel_logprobs(logits: Tensor, target_ids: Tensor, tp_group=None,
                             compute_entropy: bool = False, *, temperature: float = 1.0,
-                            vocab_size: int | None = None, backend: str = "auto"
-                            ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropy) of the targets, without gradient: old-logprob and eval passes."""
-    with torch.no_grad():
-        logp, entropy, _ = _logprobs(logits, target_ids, tp_group=tp_group,
-                                     vocab_size=vocab_size, temperature=temperature,
-                                     backend=backend, compute_entropy=compute_entropy)
+                            vocab_size: int | None = None, backend: str = "auto",
+                            inplace_backward: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropy) of the targets from vocab-sharded logits.
+
+    Differentiable w.r.t. the logits when grad is enabled (the SFT loss); old-logprob and eval
+    passes run under ``torch.no_grad``. ``inplace_backward=True`` lets the fused backends write
+    the gradient into the logits buffer (the logits must not be read after backward).
+    """
+    logp, entropy, _ = _logprobs(logits, target_ids, tp_group=tp_group, vocab_size=vocab_size,
+                                 temperature=temperature, backend=backend,
+                                 compute_entropy=compute_entropy, inplace=inplace_backward)
     lead = logits.shape[:-1]
     return logp.view(lead), None if entropy is None else entropy.view(lead)

@@ -20,6 +20,7 @@ from megatron_klear.algo.losses import sft_loss
 from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
+from megatron_klear.ops.backend import loss_backend
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
 from megatron_klear.train.metrics import MetricsLogger
@@ -121,11 +122,12 @@ def dp_rows(rows: Sequence[int]) -> list[int]:
 def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: float) -> None:
     """Fill ``old_logprobs`` and ``entropy`` of each micro-batch with the current policy."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    backend = loss_backend(engine.cfg.loss_backend)
 
     def fwd(logits, batch):
         lp, ent = vocab_parallel_logprobs(logits, batch["labels"], tp_group=tp_group,
                                           compute_entropy=True, temperature=temperature,
-                                          vocab_size=vocab_size)
+                                          vocab_size=vocab_size, backend=backend)
         batch["old_logprobs"], batch["entropy"] = lp.float(), ent.float()
         return torch.zeros(()), {}
 
@@ -135,6 +137,7 @@ def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: 
 def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: float):
     """GPPO (or PPO/CISPO) + alpha * SFT, each a token-level mean over the mini-batch."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    backend = loss_backend(cfg.loss_backend)
 
     def loss_fn(logits, b):
         mask = b["loss_mask"]
@@ -147,7 +150,8 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, beta1=cfg.gppo_beta1,
             beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip, temperature=cfg.rollout_temperature,
             normalizer=max(n_tokens, 1.0), compute_entropy=False, tp_group=tp_group,
-            vocab_size=vocab_size, inplace_backward=True)  # logits are not read after backward
+            vocab_size=vocab_size, backend=backend,
+            inplace_backward=True)  # logits are not read after backward
         sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
         loss = out.loss + cfg.sft_alpha * sft
         tokens = mask.sum()
@@ -289,6 +293,7 @@ def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> di
     """Push new weights to the servers and, optionally, check them with a log-prob probe."""
     from megatron_klear.rollout.weight_sync import trainer_sequence_logprobs
 
+    engine.gather_params()  # the distributed optimizer may defer the all-gather
     metrics = dict(sync.sync(weight_version=version))
     if cfg.probe_weights:
         probe_ids = list(range(1, min(engine.arch.vocab_size, 33)))

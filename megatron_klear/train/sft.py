@@ -18,6 +18,7 @@ from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import build_packed_batch, pack_bins
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+from megatron_klear.ops.backend import loss_backend
 from megatron_klear.train.engine import build_engine, restore_or_init
 from megatron_klear.train.metrics import MetricsLogger
 from megatron_klear.train.token_loss import token_nll
@@ -93,11 +94,12 @@ def make_microbatches(samples: Sequence[SFTSample], bins: Sequence[list[int]], c
     return mbs, total
 
 
-def sft_loss_fn(vocab_size: int, normalizer: float):
-    """Token-level NLL over response tokens, normalised by the global batch's token count."""
+def sft_loss_fn(vocab_size: int, normalizer: float, backend: str = "auto"):
+    """Token-level NLL over response tokens, normalised by the global batch's token count
+    (``backend``: the resolved ``--loss-backend``)."""
 
     def loss_fn(logits: torch.Tensor, batch: dict):
-        nll = token_nll(logits, batch["labels"], vocab_size) * batch["loss_mask"]
+        nll = token_nll(logits, batch["labels"], vocab_size, backend) * batch["loss_mask"]
         loss = nll.sum() / max(normalizer, 1.0)
         return loss, {"loss": loss.detach(), "tokens": batch["loss_mask"].sum()}
 
@@ -114,6 +116,7 @@ def train(cfg: SFTConfig) -> list[dict]:
         cfg.data_path, tokenizer, max_length=cfg.seq_length + 1, prompt_key=cfg.prompt_key,
         response_key=cfg.response_key, messages_key=cfg.messages_key, overflow=cfg.overflow)
     engine = build_engine(cfg, arch)
+    backend = loss_backend(cfg.loss_backend)
     info = restore_or_init(engine)
     step, consumed = (info.iteration, info.extra["consumed_bins"]) if info else (0, 0)
     schedule = BinSchedule(samples, cfg.seq_length, cfg.seed, cfg.pack)
@@ -126,7 +129,7 @@ def train(cfg: SFTConfig) -> list[dict]:
     while step < cfg.train_iters:
         taken = list(schedule.take(consumed, cfg.global_batch_size))
         mbs, total = make_microbatches(samples, [b for _, b in taken], cfg)
-        metrics = engine.train_step(mbs, sft_loss_fn(arch.vocab_size, total))
+        metrics = engine.train_step(mbs, sft_loss_fn(arch.vocab_size, total, backend))
         step, consumed = step + 1, consumed + len(taken)
         metrics.update(epoch=taken[-1][0], consumed_bins=consumed,
                        samples=[i for _, b in taken for i in b])
