@@ -221,7 +221,7 @@ class _DeviceCheckMode(TorchDispatchMode):
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         on_cuda = [_TAGS.is_cuda(t) for t in tensors]
         name = func.name()
-        if name.startswith("c10d::"):
+        if name.startswith("c10d::") and name != "c10d::barrier":  # torch makes its tensor
             if not all(on_cuda[i] or not t.numel() for i, t in enumerate(tensors)) and \
                     not _in_object_collective():
                 raise DeviceMismatchError(

@@ -62,9 +62,11 @@ LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torc
 
 
 def to_device(batch: MicroBatch) -> MicroBatch:
-    """The micro-batch with every tensor on the compute device (the engine's one place for it)."""
+    """Move every tensor of the micro-batch to the compute device, in place (the engine's one
+    place for it; loss functions may store outputs such as old log-probs in the same dict)."""
     dev = platform.device()
-    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    batch.update({k: v.to(dev, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)})
+    return batch
 
 
 @dataclass
