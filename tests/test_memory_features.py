@@ -35,6 +35,68 @@ DIST_OPT = dict(use_distributed_optimizer=True, overlap_grad_reduce=True,
                 overlap_param_gather=True)
 
 
+# ------------------------------------------------------------------ flags and their errors
+def test_megatron_flag_names_parse():
+    from megatron_klear.config import TrainConfig, parse_config
+
+    cfg = parse_config(TrainConfig, [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--recompute-granularity", "full", "--recompute-method", "block",
+        "--recompute-num-layers", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--optimizer-cpu-offload", "--transformer-impl", "local",
+        "--loss-backend", "torch"])
+    assert cfg.sequence_parallel and cfg.recompute_method == "block"
+    assert cfg.recompute_num_layers == 2 and cfg.overlap_param_gather
+    assert cfg.optimizer_cpu_offload and cfg.loss_backend == "torch"
+    sel = parse_config(TrainConfig, ["--recompute-granularity", "selective",
+                                     "--recompute-modules", "core_attn"])
+    assert sel.recompute_modules == ["core_attn"]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size"),
+    (["--recompute-granularity", "full"], "--recompute-method"),
+    (["--recompute-method", "uniform", "--recompute-num-layers", "1"], "apply only to"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe"],
+     "--recompute-modules"),
+    (["--recompute-modules", "core_attn"], "--recompute-modules applies only"),
+    (["--overlap-param-gather"], "--use-distributed-optimizer"),
+    (["--optimizer-cpu-offload"], "--use-distributed-optimizer"),
+])
+def test_inconsistent_flags_name_the_flag(argv, flag):
+    from megatron_klear.config import ConfigError, TrainConfig, parse_config
+
+    with pytest.raises(ConfigError, match=flag):
+        parse_config(TrainConfig, argv)
+
+
+def test_transformer_engine_is_explicit_and_its_absence_names_the_flag():
+    from megatron_klear.config import ConfigError
+    from megatron_klear.models import qwen3
+    from megatron_klear.models.norms import RMSNorm
+    from megatron_klear.models.tiny import tiny_qwen3_config
+
+    assert not qwen3.HAVE_TE  # the CPU CI machine; on GPU tests/gpu/ runs the TE spec
+    with pytest.raises(ConfigError, match="--transformer-impl transformer_engine"):
+        qwen3.layer_spec("transformer_engine")
+    spec = qwen3.layer_spec()  # the default is the local spec, whatever is installed
+    assert spec.submodules.input_layernorm.module is RMSNorm
+    arch = qwen3.qwen3_config_from_hf(tiny_qwen3_config())
+    tconf = qwen3.transformer_config(arch, recompute_granularity="selective",
+                                     recompute_modules=["mlp"])
+    with pytest.raises(ConfigError, match="--recompute-modules"):
+        qwen3.check_memory_features(tconf, "local")
+
+
+def test_loss_backend_never_falls_back_silently():
+    from megatron_klear.config import ConfigError
+    from megatron_klear.ops.backend import loss_backend
+
+    assert loss_backend("auto") == "cpu" and loss_backend("torch") == "torch"
+    with pytest.raises(ConfigError, match="--loss-backend cuda"):
+        loss_backend("cuda")
+
+
 def _engine(tp: int = 1, pp: int = 1, **flags):
     """A freshly seeded engine (same initial weights for every flag set at one layout)."""
     from megatron_klear.config import TrainConfig
@@ -142,7 +204,7 @@ def _pp2_resume(rank, world, ckpt):
 
 
 # ------------------------------------------------------------------ launch 3: DP2 (2 ranks)
-def _dp2_optimizers(rank, world, ckpt):
+def _dp2_optimizers(rank, world, ckpt, hf):
     # no clipping: the sharded grad norm sums its squares in another order (~1e-7 apart),
     # which would move the clip factor; everything else is elementwise the same math
     plain = _engine(clip_grad=0.0)
@@ -154,7 +216,22 @@ def _dp2_optimizers(rank, world, ckpt):
     stale = _params(dist)
     dist.gather_params()
     return {"plain": (plain_losses, _params(plain)), "dist": (losses, _params(dist)),
-            "stale_equal": all(torch.equal(stale[n], p) for n, p in _params(dist).items())}
+            "stale_equal": all(torch.equal(stale[n], p) for n, p in _params(dist).items()),
+            "bf16_keeps_hf_weights": [_bf16_step_keeps_loaded_weights(hf, d)
+                                      for d in (False, True)]}
+
+
+def _bf16_step_keeps_loaded_weights(hf_dir: str, distributed: bool) -> bool:
+    """bf16 (fp32 main params) from HF weights: a step at lr 0 must leave the loaded weights,
+    not write back the random initialisation the optimizer copied at construction."""
+    from megatron_klear.train.engine import restore_or_init
+
+    eng = _engine(bf16=True, hf_checkpoint=hf_dir, lr=0.0, use_distributed_optimizer=distributed)
+    restore_or_init(eng)
+    loaded = _params(eng)
+    eng.train_step(*_batches(0))
+    eng.gather_params()
+    return all(torch.equal(p, loaded[n]) for n, p in _params(eng).items())
 
 
 # ------------------------------------------------------------------ launch 4: DP2 fresh resume
@@ -176,8 +253,11 @@ def tp2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
+    from megatron_klear.models.tiny import save_tiny_hf_model
+
     ckpt = str(tmp_path_factory.mktemp("dist_opt_dp2"))
-    return ckpt, run_distributed(_dp2_optimizers, 2, ckpt)
+    hf = save_tiny_hf_model(tmp_path_factory.mktemp("hf"), vocab_size=VOCAB, std=0.2)
+    return ckpt, run_distributed(_dp2_optimizers, 2, ckpt, str(hf))
 
 
 @pytest.mark.parametrize("flag", ["sequence_parallel", *RECOMPUTE])
@@ -211,6 +291,11 @@ def test_distributed_optimizer_matches_plain_adam(dp2):
             assert torch.equal(params[name], p), name
         # --overlap-param-gather defers the all-gather: gather_params() is what makes them true
         assert not rank["stale_equal"]
+
+
+def test_bf16_optimizers_start_from_the_loaded_weights(dp2):
+    for rank in dp2[1]:
+        assert rank["bf16_keeps_hf_weights"] == [True, True]  # plain and distributed
 
 
 def test_distributed_optimizer_resumes_exactly_in_fresh_processes(dp2):

@@ -55,3 +55,39 @@ def test_without_setup_cuda_is_not_redirected():
     code = "import torch\ntry:\n    torch.zeros(1, device='cuda')\nexcept Exception:\n    raise SystemExit(3)\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert proc.returncode == 3
+
+
+STRICT = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    from megatron_klear import platform
+    plat = platform.setup()
+    assert plat.device.type == 'cuda' and plat.emulated
+    a, b = torch.ones(3, device='cuda'), torch.ones(3)
+    assert a.device.type == 'cuda' and a.is_cuda and b.device.type == 'cpu'
+    assert (a + 1).device.type == 'cuda' and (a * torch.tensor(2.0)).is_cuda  # CPU scalars mix
+    c = b.to(plat.device)                       # a move copies: the source stays on the CPU
+    assert c.is_cuda and not b.is_cuda and (a + c).is_cuda and c.cpu().device.type == 'cpu'
+    assert torch.arange(3, device=a.device).is_cuda
+    w = torch.nn.Linear(3, 2).cuda(); x = torch.randn(4, 3, device='cuda', requires_grad=True)
+    w(x).sum().backward(); assert w.weight.grad.is_cuda and x.grad.is_cuda   # backward too
+    def raises(fn):
+        try: fn()
+        except platform.DeviceMismatchError: return True
+        return False
+    assert raises(lambda: a + b) and raises(lambda: torch.nn.Linear(3, 2)(x))
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(__import__('tests.dist').dist.free_port()))
+    dist.init_process_group('gloo', rank=0, world_size=1)
+    dist.all_reduce(a)
+    assert raises(lambda: dist.all_reduce(b))   # NCCL only moves CUDA tensors
+    held = [None]; dist.all_gather_object(held, {'x': 1})  # torch picks that device itself
+""")
+
+
+def test_strict_device_mode_tags_and_raises_like_cuda_torch():
+    """KLEAR_STRICT_DEVICES=1: tensors bound for the GPU report cuda; mixing raises."""
+    import os
+
+    env = {**os.environ, "KLEAR_STRICT_DEVICES": "1"}
+    proc = subprocess.run([sys.executable, "-c", STRICT], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -68,6 +68,7 @@ class CheckpointInfo:
     extra: dict = field(default_factory=dict)
     path: Path | None = None
     hf_config: dict | None = None
+    optimizer_restored: bool = False
 
 
 def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
@@ -319,4 +320,5 @@ def load_checkpoint(load_dir: str | Path, model_chunks: list[torch.nn.Module], *
             and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return CheckpointInfo(iteration=meta["iteration"], extra=loaded.get("extra", {}) or {},
-                          path=path, hf_config=meta.get("hf_config"))
+                          path=path, hf_config=meta.get("hf_config"),
+                          optimizer_restored="optimizer" in state)

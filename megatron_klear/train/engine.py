@@ -297,9 +297,25 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
                                    optimizer=engine.optimizer if with_optimizer else None,
                                    scheduler=engine.scheduler if with_optimizer else None)
             if info is not None:
-                if with_optimizer and cfg.use_distributed_optimizer:
-                    untie_adam_steps(engine.optimizer)
+                if with_optimizer:
+                    _after_weight_load(engine, info.optimizer_restored)
                 return info
     if cfg.hf_checkpoint:
         load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
+        if with_optimizer:
+            _after_weight_load(engine, optimizer_restored=False)
     return None
+
+
+def _after_weight_load(engine: Engine, optimizer_restored: bool) -> None:
+    """Bring the optimizer in line with weights loaded into the model.
+
+    Without restored optimizer state, the fp32 main params that megatron's bf16 and
+    distributed optimizers copied from the randomly initialised model at construction must
+    be refreshed, or the first step would write the random weights back. After a restore,
+    the distributed optimizer's Adam steps are untied (see adam_state.py).
+    """
+    if not optimizer_restored:
+        engine.optimizer.reload_model_params()
+    elif engine.cfg.use_distributed_optimizer:
+        untie_adam_steps(engine.optimizer)

@@ -4,7 +4,8 @@
 #   2. build the extension with CUDA (python setup.py build_ext --inplace);
 #   3. the parity tests, where the `cuda` backend joins the `cpu` one (TP=1; the TP=2 and DP=2
 #      tests use gloo on CPU and run in the CPU suite);
-#   4. the benchmark on the GPU (bandwidth column vs 4.8 TB/s).
+#   4. the benchmark on the GPU (bandwidth column vs 4.8 TB/s);
+#   5. with 2+ GPUs, tests/gpu/smoke_2gpu.py (issue 13's GPU path; never run yet).
 # Everything is written to the log (default: gpu_checks.log in the repository root; pass a path
 # as $1). Copy the log into docs/policy_loss.md. Exits non-zero at the first failing step.
 set -euo pipefail
@@ -38,5 +39,12 @@ python -m pytest -q --timeout 900 tests/test_losses.py tests/test_advantages.py 
 step "benchmark"
 python benchmarks/bench_policy_loss.py --device cuda --tokens 1024 4096 16384 \
   --vocab 37984 151936 --repeats 5 --max-gib 100
+
+step "2-GPU smoke test of the GPU path: TE spec, TP2+SP, recompute, distributed optimizer"
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  torchrun --nproc-per-node 2 tests/gpu/smoke_2gpu.py
+else
+  echo "skipped: fewer than 2 GPUs visible"
+fi
 
 step "done: all GPU checks passed; log at $log"
