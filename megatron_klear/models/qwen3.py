@@ -37,8 +37,8 @@ except Exception:  # pragma: no cover - TE is never importable on the CPU CI mac
     HAVE_TE = False
 
 __all__ = ["Qwen3Arch", "qwen3_config_from_hf", "load_hf_config", "padded_vocab_size",
-           "layer_spec", "block_spec", "transformer_config", "TRANSFORMER_IMPLS", "build_gpt_model", "HAVE_TE",
-           "ConfigError"]
+           "layer_spec", "block_spec", "transformer_config", "TRANSFORMER_IMPLS",
+           "check_memory_features", "build_gpt_model", "HAVE_TE", "ConfigError"]
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "vocab_size")
@@ -158,11 +158,9 @@ def layer_spec(transformer_impl: str = "local") -> ModuleSpec:
 def block_spec(config: TransformerConfig, transformer_impl: str = "local"
                ) -> TransformerBlockSubmodules:
     """This pipeline stage's layers plus the final norm (the local spec's must support SP)."""
-    layer = layer_spec(transformer_impl)
-    block = TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config),
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(transformer_impl)] * get_num_layers_to_build(config),
         layer_norm=LayerNormImpl if transformer_impl == "transformer_engine" else norm_specs()[0])
-    return block
 
 
 def check_memory_features(config: TransformerConfig, transformer_impl: str) -> None:

@@ -314,15 +314,16 @@ def vocab_parallel_policy_loss(
 def vocab_parallel_logprobs(logits: Tensor, target_ids: Tensor, tp_group=None,
                             compute_entropy: bool = False, *, temperature: float = 1.0,
                             vocab_size: int | None = None, backend: str = "auto",
-                            inplace_backward: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropy) of the targets from vocab-sharded logits.
-
-    Differentiable w.r.t. the logits when grad is enabled (the SFT loss); old-logprob and eval
-    passes run under ``torch.no_grad``. ``inplace_backward=True`` lets the fused backends write
-    the gradient into the logits buffer (the logits must not be read after backward).
-    """
-    logp, entropy, _ = _logprobs(logits, target_ids, tp_group=tp_group, vocab_size=vocab_size,
-                                 temperature=temperature, backend=backend,
-                                 compute_entropy=compute_entropy, inplace=inplace_backward)
+                            with_grad: bool = False, inplace_backward: bool = False
+                            ) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropy) of the targets: old-logprob and eval passes (no gradient), or
+    with ``with_grad=True`` the differentiable log-probs of the SFT loss, where
+    ``inplace_backward=True`` lets the fused backends write the gradient into the logits
+    buffer (the logits must not be read after backward)."""
+    with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+        logp, entropy, _ = _logprobs(logits, target_ids, tp_group=tp_group,
+                                     vocab_size=vocab_size, temperature=temperature,
+                                     backend=backend, compute_entropy=compute_entropy,
+                                     inplace=inplace_backward)
     lead = logits.shape[:-1]
     return logp.view(lead), None if entropy is None else entropy.view(lead)

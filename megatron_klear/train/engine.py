@@ -237,7 +237,7 @@ def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> 
 
 def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
     """megatron-core AdamW (distributed over DP ranks with --use-distributed-optimizer) and its
-    LR/WD scheduler; hooks the schedule and the DDP grad/param sync up."""
+    LR/WD scheduler; hooks the schedule up."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -25,5 +25,5 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     logp, _ = vocab_parallel_logprobs(logits, labels,
                                       parallel_state.get_tensor_model_parallel_group(),
                                       vocab_size=vocab_size, backend=backend,
-                                      inplace_backward=True)
+                                      with_grad=True, inplace_backward=True)
     return -logp.float()
