@@ -97,6 +97,33 @@ def test_loss_backend_never_falls_back_silently():
         loss_backend("cuda")
 
 
+def _by_value(obj):
+    """Tensors as numpy arrays, for the result queue: torch would pass them through shared
+    memory files, which vanish when a finished rank exits before the parent reads them."""
+    if torch.is_tensor(obj):
+        return obj.detach().numpy()
+    if isinstance(obj, dict):
+        return {k: _by_value(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_by_value(v) for v in obj)
+    return obj
+
+
+def _as_tensors(obj):
+    if hasattr(obj, "__array__") and not isinstance(obj, (list, tuple, dict, float, int)):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: _as_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_as_tensors(v) for v in obj)
+    return obj
+
+
+def _launch(fn, *args) -> list:
+    """``fn`` on 2 gloo ranks, its results with tensors restored."""
+    return _as_tensors(run_distributed(fn, 2, *args))
+
+
 def _engine(tp: int = 1, pp: int = 1, **flags):
     """A freshly seeded engine (same initial weights for every flag set at one layout)."""
     from megatron_klear.config import TrainConfig
@@ -191,7 +218,7 @@ def _tp2_flags(rank, world, ckpt):
     _train(eng, range(2))
     eng.save(2, {})
     results["dist_opt_tp2"] = {"losses": _train(eng, range(2, 4))}
-    return results
+    return _by_value(results)
 
 
 # ------------------------------------------------------------------ launch 2: PP2 (2 ranks)
@@ -215,10 +242,10 @@ def _dp2_optimizers(rank, world, ckpt, hf):
     losses += _train(dist, range(2, 4))
     stale = _params(dist)
     dist.gather_params()
-    return {"plain": (plain_losses, _params(plain)), "dist": (losses, _params(dist)),
-            "stale_equal": all(torch.equal(stale[n], p) for n, p in _params(dist).items()),
-            "bf16_keeps_hf_weights": [_bf16_step_keeps_loaded_weights(hf, d)
-                                      for d in (False, True)]}
+    return _by_value({
+        "plain": (plain_losses, _params(plain)), "dist": (losses, _params(dist)),
+        "stale_equal": all(torch.equal(stale[n], p) for n, p in _params(dist).items()),
+        "bf16_keeps_hf_weights": [_bf16_step_keeps_loaded_weights(hf, d) for d in (False, True)]})
 
 
 def _bf16_step_keeps_loaded_weights(hf_dir: str, distributed: bool) -> bool:
@@ -242,13 +269,13 @@ def _dp2_resume(rank, world, ckpt):
     info = restore_or_init(eng)
     losses = _train(eng, range(2, 4))
     eng.gather_params()
-    return {"iteration": info.iteration, "losses": losses, "params": _params(eng)}
+    return _by_value({"iteration": info.iteration, "losses": losses, "params": _params(eng)})
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("dist_opt_tp2"))
-    return ckpt, run_distributed(_tp2_flags, 2, ckpt)
+    return ckpt, _launch(_tp2_flags, ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +284,7 @@ def dp2(tmp_path_factory):
 
     ckpt = str(tmp_path_factory.mktemp("dist_opt_dp2"))
     hf = save_tiny_hf_model(tmp_path_factory.mktemp("hf"), vocab_size=VOCAB, std=0.2)
-    return ckpt, run_distributed(_dp2_optimizers, 2, ckpt, str(hf))
+    return ckpt, _launch(_dp2_optimizers, ckpt, str(hf))
 
 
 @pytest.mark.parametrize("flag", ["sequence_parallel", *RECOMPUTE])
@@ -300,7 +327,7 @@ def test_bf16_optimizers_start_from_the_loaded_weights(dp2):
 
 def test_distributed_optimizer_resumes_exactly_in_fresh_processes(dp2):
     ckpt, results = dp2
-    resumed = run_distributed(_dp2_resume, 2, ckpt)
+    resumed = _launch(_dp2_resume, ckpt)
     for ref, got in zip(results, resumed):
         assert got["iteration"] == 2
         assert got["losses"] == ref["dist"][0][2:]
@@ -310,7 +337,7 @@ def test_distributed_optimizer_resumes_exactly_in_fresh_processes(dp2):
 
 def test_distributed_optimizer_state_reshards_tp2_to_pp2(tp2):
     ckpt, results = tp2
-    resumed = run_distributed(_pp2_resume, 2, ckpt)
+    resumed = _launch(_pp2_resume, ckpt)
     want = results[0]["dist_opt_tp2"]["losses"]
     for got in resumed:
         assert got["iteration"] == 2
