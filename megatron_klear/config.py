@@ -51,6 +51,29 @@ class TrainConfig:
     # parallelism
     tensor_model_parallel_size: int = opt(1, "tensor-parallel size")
     pipeline_model_parallel_size: int = opt(1, "pipeline-parallel size")
+    # GPU-scale memory features (issue 13). This exact block is shared by two branches:
+    # paste it verbatim right after the pipeline_model_parallel_size line of TrainConfig.
+    sequence_parallel: bool = opt(False, "sequence parallelism over the TP group (needs TP > 1)")
+    recompute_granularity: str | None = opt(None, "activation recompute",
+                                            choices=(None, "full", "selective"))
+    recompute_method: str | None = opt(None, "full recompute: which layers",
+                                       choices=(None, "uniform", "block"))
+    recompute_num_layers: int | None = opt(None, "full recompute: layers per group (uniform) "
+                                                 "or recomputed layers per stage (block)")
+    recompute_modules: list[str] | None = opt(None, "selective recompute: modules, e.g. "
+                                                    "core_attn")
+    use_distributed_optimizer: bool = opt(False, "shard optimizer state over data-parallel ranks")
+    overlap_grad_reduce: bool = opt(False, "overlap the DP grad reduce with backward")
+    overlap_param_gather: bool = opt(False, "overlap the DP param all-gather with forward "
+                                            "(needs --use-distributed-optimizer)")
+    optimizer_cpu_offload: bool = opt(False, "keep optimizer state and master weights on CPU")
+    transformer_impl: str = opt("local", "layer implementation: transformer_engine (GPU) or "
+                                         "megatron-core's local spec",
+                                choices=("transformer_engine", "local"))
+    loss_backend: str = opt("auto", "fused loss backend; auto: cuda on GPU (error if the "
+                                    "extension lacks CUDA), cpu kernel on CPU",
+                            choices=("auto", "cuda", "cpu", "torch"))
+    gpu_memory_gb: float = opt(80.0, "per-GPU memory the --dry-run memory plan must fit")
     # batch
     micro_batch_size: int = opt(1, "sequences per micro-batch")
     global_batch_size: int = opt(8, "sequences per optimizer step (across data-parallel ranks)")
