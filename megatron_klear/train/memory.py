@@ -61,15 +61,17 @@ class StagePlan:
     params: int
     grads: int
     optimizer: int
-    activations: int
-    logits_loss: int
+    activations: int  # saved for backward by the in-flight micro-batches
     attention_mask: int
+    logits_loss: int  # transient: logits and loss of one micro-batch (last stage)
+    backward_working: int  # transient: gradients while one layer's backward runs
 
     @property
     def total(self) -> int:
-        """Sum of the components (bytes)."""
+        """Peak bytes: state, saved activations and masks, plus the larger transient (the
+        logits are freed before the layers' backward starts)."""
         return (self.params + self.grads + self.optimizer + self.activations +
-                self.logits_loss + self.attention_mask)
+                self.attention_mask + max(self.logits_loss, self.backward_working))
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,8 @@ class MemoryPlan:
                 "data_parallel_size": self.data_parallel_size,
                 "binding_stage": pk.stage, "in_flight_microbatches": pk.in_flight,
                 "gib": {k: gib(getattr(pk, k)) for k in
-                        ("params", "grads", "optimizer", "activations", "logits_loss",
-                         "attention_mask", "total")},
+                        ("params", "grads", "optimizer", "activations", "attention_mask",
+                         "logits_loss", "backward_working", "total")},
                 "stage_total_gib": [gib(st.total) for st in self.stages]}
 
 
@@ -186,30 +188,49 @@ def _score_bytes(e: int) -> int:
 
 
 def _activation_bytes(arch, cfg: TrainConfig, w: Workload, layers: int, in_flight: int,
-                      stage: int, pp: int) -> int:
-    """Activations of one stage: ``in_flight`` micro-batches of stored tensors plus the
-    working set of one layer's backward (about one layer's saved tensors for its grads)."""
+                      stage: int, pp: int) -> tuple[int, int]:
+    """(saved activations of ``in_flight`` micro-batches, backward working set) of a stage.
+
+    The working set is what one layer's backward allocates on top of the saved tensors:
+    gradients about the size of the layer's per-token activations, or, with local
+    attention, the fp32 ``s x s`` gradient chain of the unfused softmax (grad of the
+    probabilities, of the scores, and the clone of the in-place mask's backward), whichever
+    is larger. Full recompute adds the re-run group's activations.
+    """
     t = cfg.tensor_model_parallel_size
     sp = t if cfg.sequence_parallel else 1
     e = _act_bytes(cfg)
     tokens = w.seq_length * cfg.micro_batch_size
-    hidden, sharded = layer_activation_elements(arch, cfg, w.seq_length)
-    full_layer = tokens * e * (hidden / sp + sharded / t)
+    scores = tokens * 4 * arch.num_attention_heads * w.seq_length / t \
+        if cfg.transformer_impl == "local" else 0.0
+
+    def layer_bytes(c: TrainConfig) -> float:
+        hidden, sharded = layer_activation_elements(arch, c, w.seq_length)
+        return tokens * e * (hidden / sp + sharded / t)
+
+    stored = layer_bytes(cfg)  # selective recompute drops what it re-runs
+    run = layer_bytes(replace(cfg, recompute_granularity=None))  # a layer in its backward
+    working = max(run - scores * _score_bytes(e) / 4, 3 * scores)
     layer_input = tokens * e * arch.hidden_size / sp
     if cfg.recompute_granularity == "full":
         n = min(cfg.recompute_num_layers or 1, layers)
         if cfg.recompute_method == "block":  # n layers keep only their input, the rest all
-            per_mb, working = (layers - n) * full_layer + n * layer_input, full_layer
+            per_mb = (layers - n) * run + n * layer_input
+            working += run
         else:  # uniform: the input of every group of n layers; backward re-runs one group
-            per_mb, working = math.ceil(layers / n) * layer_input, n * full_layer
+            per_mb = math.ceil(layers / n) * layer_input
+            working += n * run
     else:
-        per_mb, working = layers * full_layer, full_layer
-    extra = 0.0
+        per_mb = layers * stored
+        if "core_attn" in (cfg.recompute_modules or ["core_attn"]) and \
+                cfg.recompute_granularity == "selective":
+            working += run - stored  # the re-run core attention
     if stage == pp - 1:  # final norm (its output is the output layer's input)
-        extra += tokens * e * (3 if cfg.transformer_impl == "local" else 2) * arch.hidden_size / sp
+        per_mb += tokens * e * (3 if cfg.transformer_impl == "local" else 2) * \
+            arch.hidden_size / sp
     else:  # the stage's output, kept by the schedule until its gradient arrives
-        extra += layer_input
-    return int(in_flight * (per_mb + extra) + working)
+        per_mb += layer_input
+    return int(in_flight * per_mb), int(working)
 
 
 def _logits_loss_bytes(arch, cfg: TrainConfig, w: Workload) -> int:
@@ -247,13 +268,14 @@ def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | No
     for i in range(pp):
         n = _stage_params(arch, t, pp, i)
         in_flight = min(pp - i, m)
+        saved, working = _activation_bytes(arch, cfg, w, layers, in_flight, i, pp)
         stages.append(StagePlan(
             stage=i, layers=layers, in_flight=in_flight, params=int(n * p_b),
-            grads=int(n * g_b), optimizer=int(n * o_b),
-            activations=_activation_bytes(arch, cfg, w, layers, in_flight, i, pp),
-            logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,
+            grads=int(n * g_b), optimizer=int(n * o_b), activations=saved,
             attention_mask=in_flight * cfg.micro_batch_size * w.seq_length ** 2
-            if w.attention_mask else 0))
+            if w.attention_mask else 0,
+            logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,
+            backward_working=working))
     return MemoryPlan(stages=tuple(stages), seq_length=w.seq_length,
                       micro_batch_size=cfg.micro_batch_size, num_microbatches=m,
                       data_parallel_size=dp)
