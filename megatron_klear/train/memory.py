@@ -158,14 +158,16 @@ def layer_activation_elements(arch, cfg: TrainConfig, seq_length: int) -> tuple[
     e = _act_bytes(cfg)
     modules = set(cfg.recompute_modules or ["core_attn"]) \
         if cfg.recompute_granularity == "selective" else set()
-    qk_norms = 2 * a * d + (a + 2 * g) * d + g * d if cfg.transformer_impl == "local" \
-        else a * d + (a + 2 * g) * d  # q-norm input (+ its normalised copy), qkv buffer, k
     if cfg.transformer_impl == "local":
         hidden = 2 * 3 * h  # two norms: input, normalised input, output (saved by linear)
+        # q-norm input and its normalised copy, the QKV buffer (k-norm's input is a view
+        # of it), normalised k
+        qk_norms = 2 * a * d + (a + 2 * g) * d + g * d
         core = 3 * a * d + a * seq_length * _score_bytes(e) / e  # q, k, v (GQA-expanded)
         mlp = 5 * F  # fc1 output (2F), silu(gate), product
     else:
         hidden = 2 * 2 * h  # LayerNormLinear: input and normalised input
+        qk_norms = a * d + (a + 2 * g) * d  # q-norm input, the QKV buffer
         core = (a + 2 * g) * d + a * 4 / e  # flash: q, k, v and the fp32 log-sum-exp
         mlp = 3 * F  # swiglu input (2F) and output
     if "core_attn" in modules:  # checkpointed core attention keeps only its inputs q, k
@@ -289,8 +291,7 @@ _FEATURES: tuple[tuple[str, dict], ...] = (
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
      {"recompute_granularity": "full", "recompute_method": "uniform",
       "recompute_num_layers": 1, "recompute_modules": None}),
-    ("--optimizer-cpu-offload", {"optimizer_cpu_offload": True,
-                                 "use_distributed_optimizer": True}),
+    ("--optimizer-cpu-offload", {"optimizer_cpu_offload": True}),  # with the distributed optimizer
 )
 
 
@@ -307,6 +308,9 @@ def flags_to_fit(arch, cfg: TrainConfig, world_size: int, workload: Workload | N
         fitting = []
         for combo in itertools.combinations(usable, k):
             changes = {key: v for _, ch in combo for key, v in ch.items()}
+            if changes.get("optimizer_cpu_offload") and not (
+                    cfg.use_distributed_optimizer or changes.get("use_distributed_optimizer")):
+                continue
             plan = plan_memory(arch, replace(cfg, **changes), world_size, workload)
             if plan.fits(limit):
                 fitting.append((plan.total, [f for f, _ in combo]))
