@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Shared launch logic of the example scripts (sourced, not run).
 #   launch MODULE ARGS...   torchrun over NNODES x GPUS_PER_NODE, or, with --dry-run among
-#                           ARGS, one local process that validates the config (no GPUs).
+#                           ARGS, one local process that validates the config and prints
+#                           its per-GPU memory plan (no GPUs; fails if it does not fit).
+#   model_or_config DIR FALLBACK ARGS...
+#                           DIR, or with --dry-run and no DIR/config.json here, FALLBACK
+#                           (the shipped hf_config/ of the public architecture).
 set -euo pipefail
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -10,6 +14,12 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 PYTHON=${PYTHON:-python}
 export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+
+model_or_config() {
+  local dir=$1 fallback=$2; shift 2
+  if [[ " $* " == *" --dry-run "* && ! -f "$dir/config.json" ]]; then echo "$fallback"
+  else echo "$dir"; fi
+}
 
 launch() {
   local module=$1; shift

@@ -30,13 +30,22 @@ def run_main(fn: Callable[[], Any]) -> Any:
         _shutdown()
 
 
-def trainer_main(cfg_cls: type, train: Callable[[Any], Any], argv, prog: str) -> None:
-    """Parse a trainer's flags, then validate only (--dry-run) or train."""
-    from megatron_klear.config import dry_run, parse_config
+def trainer_main(cfg_cls: type, train: Callable[[Any], Any], argv, prog: str,
+                 workload: Callable[[Any], Any] | None = None) -> None:
+    """Parse a trainer's flags, then validate only (--dry-run) or train.
+
+    ``workload(cfg)`` gives the :class:`~megatron_klear.train.memory.Workload` (sequence
+    length, loss kind) the dry run's memory plan assumes for this trainer.
+    """
+    from megatron_klear.config import parse_config
 
     def run():
         cfg = parse_config(cfg_cls, argv, prog=prog)
-        return dry_run(cfg) if cfg.dry_run else train(cfg)
+        if cfg.dry_run:
+            from megatron_klear.train.dry_run import dry_run
+
+            return dry_run(cfg, workload(cfg) if workload else None)
+        return train(cfg)
 
     run_main(run)
 

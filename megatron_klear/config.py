@@ -100,12 +100,15 @@ class TrainConfig:
     log_interval: int = opt(1, "print metrics every K steps")
     progress_bar: bool = opt(True, "console progress bar (--no-progress-bar: JSON lines)")
     dry_run: bool = opt(False, "validate the config against the launch (WORLD_SIZE) and the "
-                               "model (when --hf-checkpoint exists here), print it, and exit")
+                               "model (when --hf-checkpoint exists here), print it and the "
+                               "per-GPU memory plan, and exit (non-zero when it does not fit "
+                               "--gpu-memory-gb)")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first inconsistent value."""
         positive = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "micro_batch_size", "global_batch_size", "seq_length", "keep_last")
+                    "micro_batch_size", "global_batch_size", "seq_length", "keep_last",
+                    "gpu_memory_gb")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -239,28 +242,6 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | No
     cfg = cls(**values)
     cfg.validate()
     return cfg
-
-
-def dry_run(cfg: TrainConfig) -> dict:
-    """Check what can be checked without GPUs or data: DP size and the model layout."""
-    import json
-    import os
-
-    from megatron_klear.models.qwen3 import (check_parallel_layout, load_hf_config,
-                                             qwen3_config_from_hf)
-
-    world = int(os.environ.get("WORLD_SIZE", cfg.tensor_model_parallel_size *
-                               cfg.pipeline_model_parallel_size))
-    report = {"world_size": world, "data_parallel_size": cfg.data_parallel_size(world)}
-    if cfg.hf_checkpoint and (Path(cfg.hf_checkpoint) / "config.json").is_file():
-        arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
-        check_parallel_layout(arch, cfg.tensor_model_parallel_size,
-                              cfg.pipeline_model_parallel_size)
-        report["model"] = f"{arch.num_layers} layers, hidden {arch.hidden_size}"
-    else:
-        report["model"] = "not checked (--hf-checkpoint is not on this machine)"
-    print(json.dumps({"config": to_dict(cfg), "dry_run": report}, indent=2, default=str))
-    return report
 
 
 def to_dict(cfg: TrainConfig) -> dict:

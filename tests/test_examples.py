@@ -29,6 +29,29 @@ def test_dry_run_validates_config(script):
     out = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert out["dry_run"]["data_parallel_size"] >= 1
     assert out["config"]["bf16"] is True
+    memory = out["dry_run"]["memory"]  # planned from the shipped hf_config/config.json
+    assert memory["fits"] and memory["gpu_memory_gb"] == 80
+    assert memory["gib"]["total"] < 0.8 * 80, memory  # with margin
+
+
+def test_dry_run_8b_layout_without_memory_features_does_not_fit():
+    """Issue 13's arithmetic: Qwen3-8B SFT at 32K, TP4 PP2 (4 nodes), flash attention and
+    none of the memory features needs ~96 GB on pipeline stage 0; the dry run fails and
+    names the flags that would fit."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", WORLD_SIZE="32")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_klear.train.sft", "--dry-run",
+         "--hf-checkpoint", "examples/klear_8b/hf_config", "--data-path", "unused.jsonl",
+         "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+         "--seq-length", "32768", "--global-batch-size", "64", "--bf16",
+         "--transformer-impl", "transformer_engine"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    memory = json.loads(proc.stdout[proc.stdout.index("{"):])["dry_run"]["memory"]
+    assert not memory["fits"] and memory["binding_stage"] == 0
+    assert 90e9 < memory["gib"]["total"] * 2**30 < 100e9, memory
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "does not fit --gpu-memory-gb 80" in err and "--recompute-granularity full" in err
 
 
 def test_dry_run_rejects_inconsistent_layout():

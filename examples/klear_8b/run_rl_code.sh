@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Stage 3, GPPO on code from the math RL checkpoint (same launch as run_rl_math.sh).
 HERE=$(cd "$(dirname "$0")" && pwd)
+NNODES=${NNODES:-2}  # before common.sh, which defaults it to 1
 source "$HERE/../common.sh"
-NNODES=${NNODES:-2}
 OUT=${OUT:-/ckpt/klear-8b}
-MODEL=${MODEL:-$OUT/rl_math_hf}
+MODEL=$(model_or_config "${MODEL:-$OUT/rl_math_hf}" "$HERE/hf_config" "$@")
 DATA=${CODE_DATA:-/data/klear/code_rl.jsonl}
 ROLLOUT_URLS=${ROLLOUT_URLS:-http://rollout-0:30000 http://rollout-0:30001}
 # shellcheck disable=SC2086

@@ -4,10 +4,10 @@
 #   NNODES=2 NODE_RANK=<i> MASTER_ADDR=<node0> ROLLOUT_URLS="http://r0:30000 ..." \
 #     bash examples/klear_8b/run_rl_math.sh            (add --dry-run to validate only)
 HERE=$(cd "$(dirname "$0")" && pwd)
+NNODES=${NNODES:-2}  # before common.sh, which defaults it to 1
 source "$HERE/../common.sh"
-NNODES=${NNODES:-2}
 OUT=${OUT:-/ckpt/klear-8b}
-MODEL=${MODEL:-$OUT/sft_hf}
+MODEL=$(model_or_config "${MODEL:-$OUT/sft_hf}" "$HERE/hf_config" "$@")
 DATA=${MATH_DATA:-/data/klear/math_rl.jsonl}
 ROLLOUT_URLS=${ROLLOUT_URLS:-http://rollout-0:30000 http://rollout-0:30001}
 # shellcheck disable=SC2086

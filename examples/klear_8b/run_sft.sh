@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Stage 1, SFT of Qwen3-8B-Base on 4 nodes x 8 GPUs (TP4 x PP2 x DP4). Run on every node:
 #   NNODES=4 NODE_RANK=<i> MASTER_ADDR=<node0> bash examples/klear_8b/run_sft.sh
-# Add --dry-run to validate the config on any machine (no GPUs).
+# Add --dry-run to validate the config and print its per-GPU memory plan on any machine.
 HERE=$(cd "$(dirname "$0")" && pwd)
+NNODES=${NNODES:-4}  # before common.sh, which defaults it to 1
 source "$HERE/../common.sh"
-NNODES=${NNODES:-4}
-MODEL=${MODEL:-/models/Qwen3-8B-Base}
+MODEL=$(model_or_config "${MODEL:-/models/Qwen3-8B-Base}" "$HERE/hf_config" "$@")
 DATA=${SFT_DATA:-/data/klear/sft_long_cot.jsonl}
 OUT=${OUT:-/ckpt/klear-8b}
 launch megatron_klear.train.sft --config "$HERE/sft.yaml" --hf-checkpoint "$MODEL" \

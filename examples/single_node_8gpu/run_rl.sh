@@ -2,11 +2,11 @@
 # GPPO on one 8-GPU node: GPUs 0-3 train (TP4), GPUs 4-7 serve rollouts (2 SGLang servers
 # of TP2). MODEL is an HF checkpoint (e.g. the SFT export).
 #   MODEL=/ckpt/klear-8b/sft_hf DATA=/data/math_rl.jsonl bash examples/single_node_8gpu/run_rl.sh
-# Add --dry-run to validate the config without GPUs.
+# Add --dry-run to validate the config and print its per-GPU memory plan (no GPUs).
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../common.sh"
 GPUS_PER_NODE=4
-MODEL=${MODEL:-/ckpt/klear-8b/sft_hf}
+MODEL=$(model_or_config "${MODEL:-/ckpt/klear-8b/sft_hf}" "$HERE/../klear_8b/hf_config" "$@")
 DATA=${DATA:-/data/klear/math_rl.jsonl}
 OUT=${OUT:-/ckpt/klear-8b-1node}
 urls=""

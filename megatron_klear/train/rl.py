@@ -23,6 +23,7 @@ from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_lo
 from megatron_klear.ops.backend import loss_backend
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
+from megatron_klear.train.memory import Workload
 from megatron_klear.train.metrics import MetricsLogger
 from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
     collect_batch
@@ -41,6 +42,9 @@ class RLConfig(TrainConfig):
     mini_batch_size: int = opt(16, "prompts per optimizer step (16 math, 32 code)")
     n_samples_per_prompt: int = opt(8, "responses per prompt (group size)")
     rollout_max_response_len: int = opt(256, "max new tokens per response")
+    rollout_max_prompt_len: int = opt(1024, "longest prompt in tokens that the --dry-run "
+                                      "memory plan budgets for (sequences are prompt + "
+                                      "--rollout-max-response-len); not enforced in training")
     rollout_temperature: float = opt(1.0, "sampling temperature")
     rollout_top_p: float = opt(1.0, "nucleus sampling")
     rollout_urls: list[str] | None = opt(None, "existing SGLang/embedded servers (else embedded)")
@@ -327,11 +331,18 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
     return {f"eval/{k}": v for k, v in report.items()}
 
 
+def memory_workload(cfg: RLConfig) -> Workload:
+    """What the RL trainer feeds the model: whole prompt + response rows, unpacked, under the
+    fused policy loss (the dry run's memory plan)."""
+    return Workload(cfg.rollout_max_prompt_len + cfg.rollout_max_response_len,
+                    fused_loss=cfg.loss_backend != "torch", attention_mask=False)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``klear-rl``: parse flags, run RL, exit non-zero with a clear message on bad input."""
     from megatron_klear.cli import trainer_main
 
-    trainer_main(RLConfig, train, argv, "klear-rl")
+    trainer_main(RLConfig, train, argv, "klear-rl", workload=memory_workload)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops.backend import loss_backend
 from megatron_klear.train.engine import build_engine, restore_or_init
+from megatron_klear.train.memory import Workload
 from megatron_klear.train.metrics import MetricsLogger
 from megatron_klear.train.token_loss import token_nll
 
@@ -144,11 +145,17 @@ def train(cfg: SFTConfig) -> list[dict]:
     return history
 
 
+def memory_workload(cfg: SFTConfig) -> Workload:
+    """What the SFT trainer feeds the model: --seq-length bins with a [b, 1, s, s] boolean
+    attention mask each (build_packed_batch), under token_loss's fp32 cross-entropy."""
+    return Workload(cfg.seq_length, fused_loss=False, attention_mask=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``klear-sft``: parse flags, run SFT, exit non-zero with a clear message on bad input."""
     from megatron_klear.cli import trainer_main
 
-    trainer_main(SFTConfig, train, argv, "klear-sft")
+    trainer_main(SFTConfig, train, argv, "klear-sft", workload=memory_workload)
 
 
 if __name__ == "__main__":

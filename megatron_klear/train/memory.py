@@ -1,0 +1,342 @@
+"""Per-GPU memory plan of a training run: model state, activations, logits and loss.
+
+:func:`plan_memory` estimates the peak bytes each pipeline stage holds for a run's layout
+(TP, PP, DP), sequence length and micro-batch, from the architecture alone (no GPU, no
+weights). :func:`flags_to_fit` names the memory flags that would make a plan fit a GPU.
+The formulas, their sources (Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", adapted to Qwen3: GQA, QK-norm, SwiGLU, RMSNorm, no dropout)
+and the CPU validation numbers are in docs/memory.md.
+
+Activations are counted as the tensors autograd saves for backward, in elements per token
+of one micro-batch and one layer, split by what tensor parallelism shards (``/t``) and
+what only sequence parallelism shards (the hidden-size tensors of norms and residuals).
+Two layer implementations differ in what they save:
+
+* ``local`` (megatron-core's local spec; what runs on CPU): torch RMSNorm saves its input,
+  the normalised input and (through the next linear) its output; unfused attention saves
+  q, the GQA-expanded k and v, and the ``a x s`` softmax scores per token; SwiGLU saves the
+  fc1 output, silu of the gate half and the product. Measured on CPU (tests/test_memory.py).
+* ``transformer_engine`` (GPU): LayerNormLinear saves input and normalised input; flash
+  attention saves q, k, v and its output (no ``s x s`` scores); TE's SwiGLU saves its
+  input. Derived from what those kernels save; not measured here (no GPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+from megatron_klear.config import ConfigError, TrainConfig
+from megatron_klear.models.qwen3 import padded_vocab_size
+
+__all__ = ["Workload", "StagePlan", "MemoryPlan", "plan_memory", "flags_to_fit", "check_fits",
+           "model_state_bytes_per_param", "layer_activation_elements", "GiB"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a trainer feeds the model: sequence length, loss kind, explicit attention mask.
+
+    ``fused_loss``: the loss keeps O(1) numbers per token and writes the logits' gradient in
+    place (``vocab_parallel_policy_loss``/``vocab_parallel_logprobs``); False: fp32 copies
+    of the vocab-parallel logits (``token_loss.token_nll``). ``attention_mask``: each
+    micro-batch carries a boolean ``[b, 1, s, s]`` mask (packed SFT bins).
+    """
+
+    seq_length: int
+    fused_loss: bool = True
+    attention_mask: bool = False
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Peak bytes of one pipeline stage's rank, by component."""
+
+    stage: int
+    layers: int
+    in_flight: int  # micro-batches whose activations the 1F1B schedule holds at once
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # saved for backward by the in-flight micro-batches
+    attention_mask: int
+    logits_loss: int  # transient: logits and loss of one micro-batch (last stage)
+    backward_working: int  # transient: gradients while one layer's backward runs
+
+    @property
+    def total(self) -> int:
+        """Peak bytes: state, saved activations and masks, plus the larger transient (the
+        logits are freed before the layers' backward starts)."""
+        return (self.params + self.grads + self.optimizer + self.activations +
+                self.attention_mask + max(self.logits_loss, self.backward_working))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of every pipeline stage; :attr:`peak` is the stage that needs the most."""
+
+    stages: tuple[StagePlan, ...]
+    seq_length: int
+    micro_batch_size: int
+    num_microbatches: int
+    data_parallel_size: int
+
+    @property
+    def peak(self) -> StagePlan:
+        """The binding stage (largest total)."""
+        return max(self.stages, key=lambda st: st.total)
+
+    @property
+    def total(self) -> int:
+        """Peak bytes of the binding stage."""
+        return self.peak.total
+
+    def fits(self, gpu_memory_gb: float) -> bool:
+        """True when every stage fits ``gpu_memory_gb`` GiB."""
+        return self.total <= gpu_memory_gb * GiB
+
+    def as_dict(self) -> dict:
+        """A JSON-friendly summary: GiB per component of the binding stage, and per stage."""
+        pk = self.peak
+        gib = lambda n: round(n / GiB, 2)  # noqa: E731
+        return {"seq_length": self.seq_length, "micro_batch_size": self.micro_batch_size,
+                "num_microbatches": self.num_microbatches,
+                "data_parallel_size": self.data_parallel_size,
+                "binding_stage": pk.stage, "in_flight_microbatches": pk.in_flight,
+                "gib": {k: gib(getattr(pk, k)) for k in
+                        ("params", "grads", "optimizer", "activations", "attention_mask",
+                         "logits_loss", "backward_working", "total")},
+                "stage_total_gib": [gib(st.total) for st in self.stages]}
+
+
+def model_state_bytes_per_param(cfg: TrainConfig, dp: int) -> tuple[float, float, float]:
+    """(param, grad, optimizer) bytes per parameter on one GPU.
+
+    bf16: bf16 params, fp32 grads (megatron DDP's grad_reduce_in_fp32), fp32 master weights
+    plus Adam m and v (12 bytes); fp32: no master copy (8 bytes). The distributed optimizer
+    shards the optimizer bytes over the DP ranks; CPU offload moves them off the GPU.
+    """
+    param = 2.0 if cfg.bf16 else 4.0
+    opt = 12.0 if cfg.bf16 else 8.0
+    if cfg.use_distributed_optimizer:
+        opt /= dp
+    if cfg.optimizer_cpu_offload:
+        opt = 0.0
+    return param, 4.0, opt
+
+
+def _layer_params(arch, t: int) -> int:
+    h, d = arch.hidden_size, arch.head_dim
+    qkv = h * (arch.num_attention_heads + 2 * arch.num_query_groups) * d
+    proj = arch.num_attention_heads * d * h
+    mlp = 3 * h * arch.ffn_hidden_size
+    return (qkv + proj + mlp) // t + 2 * h + 2 * d  # norms are replicated
+
+
+def _stage_params(arch, t: int, pp: int, stage: int) -> int:
+    vocab = padded_vocab_size(arch.vocab_size, t) * arch.hidden_size // t
+    n = arch.num_layers // pp * _layer_params(arch, t)
+    if stage == 0:
+        n += vocab
+    if stage == pp - 1:
+        n += arch.hidden_size + (vocab if not arch.tie_word_embeddings or pp > 1 else 0)
+    return n
+
+
+def layer_activation_elements(arch, cfg: TrainConfig, seq_length: int) -> tuple[float, float]:
+    """Saved activation elements per token of one layer: (hidden-state part, TP-sharded part).
+
+    The hidden-state part is divided by TP only under sequence parallelism; the other part
+    is always divided by TP. The ``a x s`` softmax scores of local attention are included
+    in the TP-sharded part in units of activation elements (their fp32 bytes converted).
+    """
+    h, d, F = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    a, g = arch.num_attention_heads, arch.num_query_groups
+    e = _act_bytes(cfg)
+    modules = set(cfg.recompute_modules or ["core_attn"]) \
+        if cfg.recompute_granularity == "selective" else set()
+    if cfg.transformer_impl == "local":
+        hidden = 2 * 3 * h  # two norms: input, normalised input, output (saved by linear)
+        # q-norm input and its normalised copy, the QKV buffer (k-norm's input is a view
+        # of it), normalised k
+        qk_norms = 2 * a * d + (a + 2 * g) * d + g * d
+        core = 3 * a * d + a * seq_length * _score_bytes(e) / e  # q, k, v (GQA-expanded)
+        mlp = 5 * F  # fc1 output (2F), silu(gate), product
+    else:
+        hidden = 2 * 2 * h  # LayerNormLinear: input and normalised input
+        qk_norms = a * d + (a + 2 * g) * d  # q-norm input, the QKV buffer
+        core = (a + 2 * g) * d + a * 4 / e  # flash: q, k, v and the fp32 log-sum-exp
+        mlp = 3 * F  # swiglu input (2F) and output
+    if "core_attn" in modules:  # checkpointed core attention keeps only its inputs q, k
+        core = (a + g) * d
+    if "mlp" in modules:  # the MLP's input is the (kept) norm output
+        mlp = 0
+    if "layernorm" in modules:
+        hidden = 2 * h
+    return hidden, qk_norms + core + a * d + mlp  # + a*d: attention output, linear_proj input
+
+
+def _act_bytes(cfg: TrainConfig) -> int:
+    return 2 if cfg.bf16 else 4
+
+
+def _score_bytes(e: int) -> int:
+    """Bytes per softmax score saved by local attention: the fp32 softmax output, plus its
+    cast back to bf16 that the probs @ V matmul saves."""
+    return 4 if e == 4 else 4 + e
+
+
+def _activation_bytes(arch, cfg: TrainConfig, w: Workload, layers: int, in_flight: int,
+                      stage: int, pp: int) -> tuple[int, int]:
+    """(saved activations of ``in_flight`` micro-batches, backward working set) of a stage.
+
+    The working set is what one layer's backward allocates on top of the saved tensors:
+    gradients about the size of the layer's per-token activations, or, with local
+    attention, the fp32 ``s x s`` gradient chain of the unfused softmax (grad of the
+    probabilities, of the scores, and the clone of the in-place mask's backward), whichever
+    is larger. Full recompute adds the re-run group's activations.
+    """
+    t = cfg.tensor_model_parallel_size
+    sp = t if cfg.sequence_parallel else 1
+    e = _act_bytes(cfg)
+    tokens = w.seq_length * cfg.micro_batch_size
+    scores = tokens * 4 * arch.num_attention_heads * w.seq_length / t \
+        if cfg.transformer_impl == "local" else 0.0
+
+    def layer_bytes(c: TrainConfig) -> float:
+        hidden, sharded = layer_activation_elements(arch, c, w.seq_length)
+        return tokens * e * (hidden / sp + sharded / t)
+
+    stored = layer_bytes(cfg)  # selective recompute drops what it re-runs
+    run = layer_bytes(replace(cfg, recompute_granularity=None))  # a layer in its backward
+    working = max(run - scores * _score_bytes(e) / 4, 3 * scores)
+    layer_input = tokens * e * arch.hidden_size / sp
+    if cfg.recompute_granularity == "full":
+        n = min(cfg.recompute_num_layers or 1, layers)
+        if cfg.recompute_method == "block":  # n layers keep only their input, the rest all
+            per_mb = (layers - n) * run + n * layer_input
+            working += run
+        else:  # uniform: the input of every group of n layers; backward re-runs one group
+            per_mb = math.ceil(layers / n) * layer_input
+            working += n * run
+    else:
+        per_mb = layers * stored
+        if "core_attn" in (cfg.recompute_modules or ["core_attn"]) and \
+                cfg.recompute_granularity == "selective":
+            working += run - stored  # the re-run core attention
+    if stage == pp - 1:  # final norm (its output is the output layer's input)
+        per_mb += tokens * e * (3 if cfg.transformer_impl == "local" else 2) * \
+            arch.hidden_size / sp
+    else:  # the stage's output, kept by the schedule until its gradient arrives
+        per_mb += layer_input
+    return int(in_flight * per_mb), int(working)
+
+
+def _logits_loss_bytes(arch, cfg: TrainConfig, w: Workload) -> int:
+    """Logits of one micro-batch on the last stage, and what the loss adds to them.
+
+    Fused loss: the logits (activation dtype), their gradient written in place. fp32 path
+    (``token_nll``): next to the logits, an fp32 copy when they are bf16 and the masked copy
+    when the vocab is padded; ``vocab_parallel_cross_entropy`` turns the last of these into
+    the softmax in place and reuses it as the gradient, whose backward through the mask and
+    the cast makes the same number of copies again.
+    """
+    t = cfg.tensor_model_parallel_size
+    vpad = padded_vocab_size(arch.vocab_size, t)
+    e = _act_bytes(cfg)
+    per_entry = e
+    if not w.fused_loss:
+        per_entry += (4 if e != 4 else 0) + (4 if vpad != arch.vocab_size else 0)
+    return int(w.seq_length * cfg.micro_batch_size * vpad / t * per_entry)
+
+
+def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | None = None
+                ) -> MemoryPlan:
+    """Per-stage peak bytes of a run of ``cfg`` on ``world_size`` GPUs (see module doc).
+
+    ``arch`` is a :class:`~megatron_klear.models.qwen3.Qwen3Arch`. 1F1B pipelining: stage
+    ``i`` of ``pp`` holds ``min(pp - i, num_microbatches)`` micro-batches of activations.
+    """
+    w = workload or Workload(cfg.seq_length)
+    t, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    dp = cfg.data_parallel_size(world_size)
+    m = cfg.global_batch_size // (cfg.micro_batch_size * dp)
+    p_b, g_b, o_b = model_state_bytes_per_param(cfg, dp)
+    layers = arch.num_layers // pp
+    stages = []
+    for i in range(pp):
+        n = _stage_params(arch, t, pp, i)
+        in_flight = min(pp - i, m)
+        saved, working = _activation_bytes(arch, cfg, w, layers, in_flight, i, pp)
+        stages.append(StagePlan(
+            stage=i, layers=layers, in_flight=in_flight, params=int(n * p_b),
+            grads=int(n * g_b), optimizer=int(n * o_b), activations=saved,
+            attention_mask=in_flight * cfg.micro_batch_size * w.seq_length ** 2
+            if w.attention_mask else 0,
+            logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,
+            backward_working=working))
+    return MemoryPlan(stages=tuple(stages), seq_length=w.seq_length,
+                      micro_batch_size=cfg.micro_batch_size, num_microbatches=m,
+                      data_parallel_size=dp)
+
+
+# Memory flags, each with the config change it stands for, in the anchors' order of preference.
+_FEATURES: tuple[tuple[str, dict], ...] = (
+    ("--use-distributed-optimizer", {"use_distributed_optimizer": True}),
+    ("--sequence-parallel", {"sequence_parallel": True}),
+    ("--transformer-impl transformer_engine", {"transformer_impl": "transformer_engine"}),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+     {"recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 1, "recompute_modules": None}),
+    ("--optimizer-cpu-offload", {"optimizer_cpu_offload": True}),  # with the distributed optimizer
+)
+
+
+def flags_to_fit(arch, cfg: TrainConfig, world_size: int, workload: Workload | None = None,
+                 gpu_memory_gb: float | None = None) -> list[str] | None:
+    """The fewest memory flags (not yet set) whose plan fits, cheapest plan among equals.
+
+    Returns [] when the plan already fits and None when no combination of the flags does
+    (then only a larger TP/PP, a shorter sequence or a bigger GPU helps).
+    """
+    limit = cfg.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb
+    usable = [(f, ch) for f, ch in _FEATURES if _applies(cfg, ch)]
+    for k in range(len(usable) + 1):
+        fitting = []
+        for combo in itertools.combinations(usable, k):
+            changes = {key: v for _, ch in combo for key, v in ch.items()}
+            if changes.get("optimizer_cpu_offload") and not (
+                    cfg.use_distributed_optimizer or changes.get("use_distributed_optimizer")):
+                continue
+            plan = plan_memory(arch, replace(cfg, **changes), world_size, workload)
+            if plan.fits(limit):
+                fitting.append((plan.total, [f for f, _ in combo]))
+        if fitting:
+            return min(fitting)[1]
+    return None
+
+
+def _applies(cfg: TrainConfig, change: dict) -> bool:
+    """A feature is worth suggesting when it is not on yet and can act on this layout."""
+    if all(getattr(cfg, k) == v for k, v in change.items()):
+        return False
+    if change.get("sequence_parallel") and cfg.tensor_model_parallel_size < 2:
+        return False
+    return True
+
+
+def check_fits(plan: MemoryPlan, arch, cfg: TrainConfig, world_size: int,
+               workload: Workload) -> None:
+    """Raise :class:`ConfigError` naming the flags that would fit when the plan does not."""
+    if plan.fits(cfg.gpu_memory_gb):
+        return
+    need = f"{plan.total / GiB:.1f} GiB on pipeline stage {plan.peak.stage}"
+    fix = flags_to_fit(arch, cfg, world_size, workload)
+    hint = (f"add {' '.join(fix)}" if fix else
+            "no memory flag is enough: raise --tensor-model-parallel-size or "
+            "--pipeline-model-parallel-size, or shorten the sequences")
+    raise ConfigError(f"memory plan: {need} does not fit --gpu-memory-gb "
+                      f"{cfg.gpu_memory_gb:g}; {hint}")
