@@ -23,6 +23,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_klear.config import ConfigError
+from megatron_klear.models.varlen_attention import VarlenCoreAttention
 
 try:  # Transformer Engine is optional (GPU only)
     import transformer_engine  # noqa: F401
@@ -125,11 +126,14 @@ def check_parallel_layout(arch: Qwen3Arch, tp: int, pp: int) -> None:
 
 
 def layer_spec(use_te: bool | None = None) -> ModuleSpec:
-    """Transformer Engine spec when TE imports (GPU), megatron-core's local spec otherwise."""
+    """Transformer Engine spec when TE imports (GPU), megatron-core's local spec otherwise
+    (with :class:`VarlenCoreAttention`, so that THD packs attend within each sequence)."""
     use_te = HAVE_TE if use_te is None else use_te
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
-    return get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = VarlenCoreAttention  # THD packs
+    return spec
 
 
 def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
