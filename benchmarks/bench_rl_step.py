@@ -96,6 +96,8 @@ def packing_part(work: Path, repeats: int) -> dict:
                 mini_batch_size=16, n_samples_per_prompt=8, lr=1e-5, seed=0)
     modes = {"padded": RLConfig(**base, micro_batch_size=micro, pack_sequences=False),
              "packed": RLConfig(**base, micro_batch_size=1, max_tokens_per_gpu=budget)}
+    for cfg in modes.values():
+        cfg.validate()
     initialize_parallel(1, 1, seed=0)
     engine = build_engine(modes["padded"], qwen3_config_from_hf(load_hf_config(hf)))
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -153,7 +155,8 @@ def trl_step(hf: Path, data: Path, prompts: int, n: int, max_new: int, steps: in
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds_per_step"]
 
 
-def trl_part(work: Path, steps: int, repeats: int, layouts: list[str]) -> dict:
+def trl_part(work: Path, steps: int, repeats: int, layouts: list[str], settings: list[str]
+             ) -> dict:
     from megatron_klear.data.synthetic import write_arithmetic_data
     from megatron_klear.models.tiny import save_tiny_hf_model
 
@@ -163,7 +166,8 @@ def trl_part(work: Path, steps: int, repeats: int, layouts: list[str]) -> dict:
               "not a megatron-klear dependency)")
     data = write_arithmetic_data(work / "data")["rl"]
     result = {}
-    for name, (arch, prompts, n, max_new) in SETTINGS.items():
+    for name in settings:
+        arch, prompts, n, max_new = SETTINGS[name]
         hf = save_tiny_hf_model(work / f"hf_{name}", seed=0, **arch)
         runs: dict[str, list] = {lay: [] for lay in layouts}
         trl: list[float] = []
@@ -240,13 +244,17 @@ def main() -> None:
     p.add_argument("--part", choices=("all", "packing", "trl"), default="all")
     p.add_argument("--layouts", default="tp1-1rank,tp1-dp2,tp2",
                    help=f"klear-rl layouts to time, from {sorted(LAYOUTS)}")
+    p.add_argument("--settings", default="bench,held-out", help=f"from {sorted(SETTINGS)}")
     args = p.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.1f} (2 cores; other jobs slow both sides)")
     work = Path(tempfile.mkdtemp(prefix="bench_rl_"))
     result = {}
     if args.part in ("all", "packing"):
         result.update(packing_part(work, args.repeats))
     if args.part in ("all", "trl"):
-        result.update(trl_part(work, args.steps, args.repeats, args.layouts.split(",")))
+        result.update(trl_part(work, args.steps, args.repeats, args.layouts.split(","),
+                               args.settings.split(",")))
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     print(json.dumps(result))
 
 
