@@ -224,7 +224,8 @@ def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, st
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
 
-    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=num_prompts * n // 2,
+    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(),
+                     per_device_train_batch_size=num_prompts * n // 2,
                      gradient_accumulation_steps=2, num_generations=n,
                      max_completion_length=max_new, temperature=1.0, beta=0.0, learning_rate=2e-4,
                      max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",

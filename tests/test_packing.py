@@ -184,7 +184,8 @@ logits = model(pack["tokens"], pack["position_ids"], None,
                packed_seq_params=packed_seq_params(pack))
 logits.float().logsumexp(-1).sum().backward()
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"tokens": int(pack["tokens"].numel()), "peak_growth_mib": (after - before) / 1024}))
+print(json.dumps({"tokens": int(pack["tokens"].numel()),
+                  "peak_growth_mib": (after - before) / 1024}))
 """
 
 

@@ -156,7 +156,7 @@ def test_max_tokens_per_gpu_bins(setup):
     assert max(fill) <= 512 and len(bins) < len(small) / 3  # 4x the bin, ~1/4 the bins
     assert sorted(i for b in bins for i in b) == list(range(len(samples)))
     with pytest.raises(ConfigError, match="--micro-batch-size 1"):
-        parse_config(SFTConfig, _args(hf, data, root / "unused", 1, "--max-tokens-per-gpu", "512"))
+        parse_config(SFTConfig, _args(hf, data, root / "x", 1, "--max-tokens-per-gpu", "512"))
     with pytest.raises(ConfigError, match="--seq-length"):
-        parse_config(SFTConfig, _args(hf, data, root / "unused", 1, "--max-tokens-per-gpu", "64",
+        parse_config(SFTConfig, _args(hf, data, root / "x", 1, "--max-tokens-per-gpu", "64",
                                       "--micro-batch-size", "1"))

@@ -38,7 +38,7 @@ class SFTConfig(TrainConfig):
     pack: bool = opt(True, "pack several samples per bin (--no-pack: one sample per bin)")
     max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: bins of at most "
                                          "this many tokens, one bin per micro-batch (unset: bins "
-                                         "of --seq-length, --micro-batch-size bins per micro-batch)")
+                                         "of --seq-length, --micro-batch-size bins per pack)")
     export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
 
     def validate(self) -> None:  # noqa: D102
