@@ -2,6 +2,7 @@
 unpacked log-probs and gradients at TP=2 and PP=2, and the memory of a 32K-token pack."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from megatron_klear.data.packing import build_packed_batch, pack_bins, padding_fraction, thd_pack
-from tests.dist import run_distributed
+from tests.dist import free_port, run_distributed
 
 
 def test_pack_bins_first_fit_decreasing_by_hand():
@@ -196,7 +197,8 @@ def test_32k_token_pack_builds_no_s_by_s_tensor():
     growth = {}
     for total in (8192, 32768):
         proc = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(total), "1024"],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, MASTER_PORT=str(free_port())))
         assert proc.returncode == 0, proc.stderr[-3000:]
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         assert r["tokens"] == total
