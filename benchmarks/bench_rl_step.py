@@ -1,10 +1,19 @@
-"""Tokens/s of a full GPPO RL step on the quickstart-sized model, by phase.
+"""RL step speed: packed vs padded training on long-tail lengths, and klear-rl vs TRL.
 
-  python benchmarks/bench_rl_step.py [--steps 5]
+  python benchmarks/bench_rl_step.py [--steps 5] [--repeats 2] [--part all|packing|trl]
 
-Runs klear-rl (torchrun, 2 CPU ranks, TP=2, one embedded rollout server) and reads the
-per-phase timings and the wall clock per step from its metrics stream. Where TRL is installed it also runs TRL's
-GRPOTrainer on the same model, prompts, n and batch and prints the ratio.
+Part 1 (packing): the training phase of one RL step (old log-probs where needed + one
+optimizer step) on a rollout batch with long-tail response lengths (max/mean ~ 4), padded
+micro-batches vs THD token-budget packs (--max-tokens-per-gpu), alternating in one process
+(TP=1, 1 rank, 2 threads); tokens/s counts real (non-padding) tokens.
+
+Part 2 (trl): wall seconds per RL step (generate, reward, train, weight sync) of klear-rl
+(torchrun + one embedded rollout server) and of TRL's GRPOTrainer (one process, 2 threads)
+on the same model, prompts, n, length, reward and optimizer steps (one per RL step), side
+by side and repeated, at two settings: this bench's own ("bench") and the held-out issue-14
+shape ("held-out": hidden 128, 4 layers, 16 prompts x 8 samples, 32 new tokens, fp32).
+TRL is not a dependency of megatron-klear: ``pip install trl`` adds the peer column;
+without it the bench says so and prints klear-rl alone.
 """
 
 from __future__ import annotations
@@ -12,67 +21,189 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 PHASES = ("time/generate_s", "time/reward_s", "time/old_logprob_s", "time/train_s",
           "weight_sync/seconds")
+# name -> (model overrides, prompts, samples per prompt, max new tokens)
+SETTINGS = {
+    "bench": ({}, 32, 8, 48),
+    "held-out": ({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+                  "head_dim": 32}, 16, 8, 32),
+}
+# klear-rl layouts: name -> (processes, extra flags)
+LAYOUTS = {
+    "tp1-1rank": (1, []),
+    "tp1-dp2": (2, []),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--n", type=int, default=8)
-    args = p.parse_args()
-    from megatron_klear.data.synthetic import write_arithmetic_data
+# --------------------------------------------------------------------------- part 1: packing
+
+def long_tail_batch(prompts: int, n: int, mean_len: int, seed: int = 0):
+    """A rollout batch whose response lengths are exponential (mean ``mean_len``), capped at
+    4 x mean: max/mean ~ 4, most responses short, a few long (the long-CoT shape)."""
+    import random
+
+    from megatron_klear.algo.advantages import group_advantages
+    from megatron_klear.train.rl_data import RolloutBatch
+
+    import torch
+
+    rng = random.Random(seed)
+    b = RolloutBatch(group_size=n)
+    for i in range(prompts * n):
+        if i % n == 0:
+            prompt = [rng.randrange(3, 90) for _ in range(rng.randrange(16, 33))]
+        length = min(4 * mean_len, max(1, math.ceil(rng.expovariate(1.0 / mean_len))))
+        b.prompt_ids.append(prompt)
+        b.response_ids.append([rng.randrange(3, 90) for _ in range(length)])
+        b.rollout_logprobs.append([-1.0] * length)
+        b.rewards.append(float(rng.random() < 0.4))
+        b.prompt_index.append(i // n)
+        b.truncated.append(False)
+    b.advantages = group_advantages(torch.tensor(b.rewards), n).tolist()
+    return b
+
+
+def packing_part(work: Path, repeats: int) -> dict:
+    """Training-phase tokens/s of padded vs packed micro-batches, alternating."""
+    import torch
+
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.models.tiny import save_tiny_hf_model
+    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.train.rl import RLConfig, train_on_batch
+
+    torch.set_num_threads(2)
+    os.environ.setdefault("MASTER_PORT", "29647")
+    hf = save_tiny_hf_model(work / "hf_tail", seed=0, **SETTINGS["held-out"][0])
+    batch = long_tail_batch(16, 8, mean_len=64)
+    resp = [len(r) for r in batch.response_ids]
+    seqs = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    real = sum(seqs)
+    micro = 16
+    budget = micro * real // len(seqs)  # same number of micro-batches on average
+    base = dict(hf_checkpoint=str(hf), prompt_data="unused", rollout_batch_size=16,
+                mini_batch_size=16, n_samples_per_prompt=8, lr=1e-5, seed=0)
+    modes = {"padded": RLConfig(**base, micro_batch_size=micro, pack_sequences=False),
+             "packed": RLConfig(**base, micro_batch_size=1, max_tokens_per_gpu=budget)}
+    for cfg in modes.values():
+        cfg.validate()
+    initialize_parallel(1, 1, seed=0)
+    engine = build_engine(modes["padded"], qwen3_config_from_hf(load_hf_config(hf)))
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for rep in range(repeats + 1):  # the first round warms up
+        for mode, cfg in modes.items():
+            engine.cfg = cfg
+            t0 = time.perf_counter()
+            train_on_batch(engine, cfg, batch, pad_id=0)
+            if rep:
+                times[mode].append(time.perf_counter() - t0)
+    rate = {m: real / statistics.median(t) for m, t in times.items()}
+    padded_tokens = len(seqs) * (max(seqs) - 1)
+    print(f"Part 1: training phase, {len(seqs)} rollout sequences, response lengths mean "
+          f"{statistics.mean(resp):.0f} max {max(resp)} (max/mean "
+          f"{max(resp) / statistics.mean(resp):.1f}); held-out model (hidden 128, 4 layers), "
+          f"TP=1, 1 rank, 2 threads, median of {repeats}")
+    print(f"  padded ({micro} seqs/micro-batch, to the longest): {padded_tokens} token slots, "
+          f"{rate['padded']:8.0f} real tokens/s")
+    print(f"  packed (THD, --max-tokens-per-gpu {budget}):          {real - len(seqs)} token "
+          f"slots, {rate['packed']:8.0f} real tokens/s")
+    print(f"  packed / padded: {rate['packed'] / rate['padded']:.2f}x (target >= 1.5x)")
+    return {"packing_tokens_per_s": rate, "packing_ratio": rate["packed"] / rate["padded"]}
+
+
+# --------------------------------------------------------------------------- part 2: vs TRL
+
+def klear_step(hf: Path, data: Path, work: Path, prompts: int, n: int, max_new: int,
+               layout: str, steps: int) -> dict:
+    """Mean wall seconds per RL step (steps 2..) and mean phases of one klear-rl run."""
     from megatron_klear.train.metrics import read_metrics
 
-    work = Path(tempfile.mkdtemp(prefix="bench_rl_"))
-    hf = save_tiny_hf_model(work / "hf", seed=0)
-    data = write_arithmetic_data(work / "data")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "megatron_klear.train.rl", "--hf-checkpoint", str(hf), "--prompt-data",
-           str(data["rl"]), "--tensor-model-parallel-size", "2", "--rollout-batch-size",
-           str(args.prompts), "--mini-batch-size", str(args.prompts // 2), "--n-samples-per-prompt",
-           str(args.n), "--micro-batch-size", str(args.prompts), "--rollout-max-response-len", "48",
-           "--no-dynamic-sampling", "--train-iters", str(args.steps), "--save", str(work / "ck"),
-           "--no-progress-bar", "--no-probe-weights"]
-    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    records = read_metrics(work / "ck" / "metrics.jsonl")
+    procs, flags = LAYOUTS[layout]
+    save = Path(tempfile.mkdtemp(dir=work, prefix=f"klear_{layout}_"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={procs}", "-m", "megatron_klear.train.rl", "--hf-checkpoint",
+           str(hf), "--prompt-data", str(data), *flags, "--rollout-batch-size", str(prompts),
+           "--mini-batch-size", str(prompts), "--n-samples-per-prompt", str(n),
+           "--max-tokens-per-gpu", "4096", "--micro-batch-size", "1",
+           "--rollout-max-response-len", str(max_new), "--no-dynamic-sampling",
+           "--train-iters", str(steps), "--save", str(save), "--no-progress-bar",
+           "--no-probe-weights", "--lr", "2e-4"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(2 // procs))
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    records = read_metrics(save / "metrics.jsonl")
     rows = records[1:]  # step 1 includes warm-up
-    mean = {k: sum(r[k] for r in rows) / len(rows) for k in PHASES + ("rollout/response_len",)}
-    samples = args.prompts * args.n
-    gen_tokens = samples * mean["rollout/response_len"]
-    step_s = (records[-1]["time"] - records[0]["time"]) / len(rows)  # wall clock per step
-    print(f"RL step ({args.prompts} prompts x {args.n} samples, TP=2 on 2 CPU cores), "
-          f"mean of {len(rows)} steps:")
-    for k in PHASES:
-        print(f"  {k:24s} {mean[k]:7.3f} s  ({100 * mean[k] / step_s:4.1f}% of the wall step)")
-    print(f"  total {step_s:.2f} s/step, {gen_tokens / step_s:.0f} generated tokens/s end to end, "
-          f"{gen_tokens / mean['time/generate_s']:.0f} tokens/s in generation")
-    result = {"seconds_per_step": step_s, **mean}
-    if importlib.util.find_spec("trl") is None:
-        print("TRL: not installed here, no GRPOTrainer comparison (pip install trl to add it)")
-    else:
-        out = subprocess.run([sys.executable, __file__, "--trl-worker", str(hf), str(data["rl"]),
-                              str(args.prompts), str(args.n), str(args.steps)],
-                             capture_output=True, text=True, check=True)
-        trl_s = json.loads(out.stdout.strip().splitlines()[-1])["seconds_per_step"]
-        result["trl_seconds_per_step"] = trl_s
-        print(f"TRL GRPOTrainer, same model/prompts/n/length/reward (1 process, 2 threads): "
-              f"{trl_s:.2f} s/step -> megatron-klear is {trl_s / step_s:.2f}x faster per RL step")
-    print(json.dumps(result))
+    out = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in PHASES}
+    out["seconds_per_step"] = (records[-1]["time"] - records[0]["time"]) / len(rows)
+    return out
 
 
-def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, steps: int) -> None:
-    """TRL's GRPOTrainer on the same setup; prints the mean seconds per RL step."""
-    import time
+def trl_step(hf: Path, data: Path, prompts: int, n: int, max_new: int, steps: int) -> float:
+    out = subprocess.run([sys.executable, __file__, "--trl-worker", str(hf), str(data),
+                          str(prompts), str(n), str(max_new), str(steps)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds_per_step"]
 
+
+def trl_part(work: Path, steps: int, repeats: int, layouts: list[str], settings: list[str]
+             ) -> dict:
+    from megatron_klear.data.synthetic import write_arithmetic_data
+    from megatron_klear.models.tiny import save_tiny_hf_model
+
+    have_trl = importlib.util.find_spec("trl") is not None
+    if not have_trl:
+        print("TRL: not installed here, no GRPOTrainer column (pip install trl to add it; it is "
+              "not a megatron-klear dependency)")
+    data = write_arithmetic_data(work / "data")["rl"]
+    result = {}
+    for name in settings:
+        arch, prompts, n, max_new = SETTINGS[name]
+        hf = save_tiny_hf_model(work / f"hf_{name}", seed=0, **arch)
+        runs: dict[str, list] = {lay: [] for lay in layouts}
+        trl: list[float] = []
+        for _ in range(repeats):  # alternate, so that load changes hit both sides alike
+            for lay in layouts:
+                runs[lay].append(klear_step(hf, data, work, prompts, n, max_new, lay, steps))
+            if have_trl:
+                trl.append(trl_step(hf, data, prompts, n, max_new, steps))
+        med = {lay: statistics.median(r["seconds_per_step"] for r in rs)
+               for lay, rs in runs.items()}
+        best = min(med, key=med.get)
+        print(f"Part 2 [{name}]: {prompts} prompts x {n} samples, {max_new} new tokens, model "
+              f"{arch or 'quickstart tiny (hidden 64, 2 layers)'}; median of {repeats} runs of "
+              f"{steps} steps (step 1 dropped)")
+        for lay in layouts:
+            phases = {k: statistics.median(r[k] for r in runs[lay]) for k in PHASES}
+            print(f"  klear-rl {lay:10s} {med[lay]:6.3f} s/step  (" + ", ".join(
+                f"{k.split('/')[1].removesuffix('_s')} {v:.3f}" for k, v in phases.items()) + ")")
+        entry = {"klear_seconds_per_step": med, "best_layout": best}
+        if trl:
+            t = statistics.median(trl)
+            entry.update(trl_seconds_per_step=t, speedup_vs_trl=t / med[best])
+            print(f"  TRL GRPOTrainer      {t:6.3f} s/step  (runs: "
+                  f"{', '.join(f'{x:.3f}' for x in trl)})")
+            print(f"  klear-rl ({best}) is {t / med[best]:.2f}x faster than TRL per RL step "
+                  f"(target >= 1.5x)")
+        result[name] = entry
+    return result
+
+
+def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, steps: int) -> None:
+    """TRL's GRPOTrainer on the same setup; prints the mean seconds per RL step.
+
+    One generation batch (num_prompts x n) per optimizer step, 2 gradient-accumulation
+    micro-batches, beta 0 (no reference model), as klear-rl's one mini-batch per RL step.
+    """
     import torch
     from datasets import load_dataset
     from transformers import TrainerCallback
@@ -93,11 +224,12 @@ def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, steps: int) -> N
         def on_step_end(self, *a, **k):
             stamps.append(time.perf_counter())
 
-    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=num_prompts * n // 2,
-                     gradient_accumulation_steps=2, num_generations=n, max_completion_length=48,
-                     temperature=1.0, beta=0.0, learning_rate=2e-4, max_steps=steps,
-                     logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-                     bf16=False, seed=0)
+    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(),
+                     per_device_train_batch_size=num_prompts * n // 2,
+                     gradient_accumulation_steps=2, num_generations=n,
+                     max_completion_length=max_new, temperature=1.0, beta=0.0, learning_rate=2e-4,
+                     max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
+                     use_cpu=True, bf16=False, seed=0)
     trainer = GRPOTrainer(model=hf, reward_funcs=reward, args=cfg, train_dataset=ds,
                           callbacks=[Clock()])
     start = time.perf_counter()
@@ -106,8 +238,29 @@ def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, steps: int) -> N
     print(json.dumps({"seconds_per_step": sum(laps) / len(laps)}))
 
 
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--part", choices=("all", "packing", "trl"), default="all")
+    p.add_argument("--layouts", default="tp1-1rank,tp1-dp2,tp2",
+                   help=f"klear-rl layouts to time, from {sorted(LAYOUTS)}")
+    p.add_argument("--settings", default="bench,held-out", help=f"from {sorted(SETTINGS)}")
+    args = p.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.1f} (2 cores; other jobs slow both sides)")
+    work = Path(tempfile.mkdtemp(prefix="bench_rl_"))
+    result = {}
+    if args.part in ("all", "packing"):
+        result.update(packing_part(work, args.repeats))
+    if args.part in ("all", "trl"):
+        result.update(trl_part(work, args.steps, args.repeats, args.layouts.split(","),
+                               args.settings.split(",")))
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    print(json.dumps(result))
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        trl_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7]))
+        trl_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8]))
     else:
         main()

@@ -1,10 +1,12 @@
-"""SFT packing: padding saved on real GSM8K answer lengths, and tokens/s packed vs unpacked.
+"""SFT packing: bin fill on real GSM8K answer lengths, tokens/s packed vs unpacked, and the
+cost of building a 32K-token pack.
 
   python benchmarks/bench_sft.py [--gsm8k ../shared/data/math/gsm8k_test.jsonl] [--steps 20]
 
 Both modes train the same tiny Qwen3 (megatron-core, 1 CPU rank) on the same samples for
 the same number of optimizer steps, side by side in one run; "tokens/s" counts real
-(non-padding) tokens.
+tokens. Every micro-batch is one THD pack (no padding rows, no mask): unpacked puts one
+sample per bin, packed fills bins of --seq-length first-fit decreasing.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def train_tokens_per_s(samples, seq_length: int, packed: bool, steps: int, bins_
     t0 = time.perf_counter()
     for step in range(steps):
         chunk = bins[(step * bins_per_step) % len(bins):][:bins_per_step]
-        mb = build_packed_batch(samples, chunk, seq_length)
+        mb = build_packed_batch(samples, [i for b in chunk for i in b])
         total = float(mb["loss_mask"].sum())
         engine.train_step([mb], sft_loss_fn(arch.vocab_size, total))
         real += sum(lengths[i] - 1 for b in chunk for i in b)
@@ -84,6 +86,23 @@ def main() -> None:
                                       args.bins_per_step) for mode in ("unpacked", "packed")}
     print(f"SFT real tokens/s: unpacked {rates['unpacked']:.0f}  packed {rates['packed']:.0f}  "
           f"ratio {rates['packed'] / rates['unpacked']:.2f}x")
+    build_32k(samples)
+
+
+def build_32k(samples) -> None:
+    """Time and size of one 32,768-token pack (the dense-mask packer built a 1 GiB mask)."""
+    import torch
+
+    from megatron_klear.data.packing import build_packed_batch, pack_bins
+
+    lengths = [len(ids) for ids, _ in samples]
+    members = pack_bins(lengths, 32768, window=None)[0]
+    t0 = time.perf_counter()
+    pack = build_packed_batch(samples, members)
+    dt = time.perf_counter() - t0
+    size = sum(v.numel() * v.element_size() for v in pack.values() if torch.is_tensor(v))
+    print(f"one 32K bin: {len(members)} samples, {pack['tokens'].numel()} tokens, built in "
+          f"{dt * 1e3:.1f} ms, {size / 2**20:.2f} MiB of tensors (no s x s mask)")
 
 
 if __name__ == "__main__":

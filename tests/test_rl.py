@@ -111,6 +111,99 @@ def test_loss_and_clip_fractions_match_hand_computation(hf_model, tp):
     assert abs(got["train/clipfrac_high"] / n - want["clip_high"]) < 1e-6
 
 
+def _long_tail_batch(n_groups=4, group=2):
+    """Rollout samples of very different lengths (prompts 3-9, responses 1-30 tokens)."""
+    from megatron_klear.algo.advantages import group_advantages
+    from megatron_klear.train.rl_data import RolloutBatch
+
+    g = torch.Generator().manual_seed(5)
+    b = RolloutBatch(group_size=group)
+    for i in range(n_groups * group):
+        if i % group == 0:
+            prompt = torch.randint(3, 100, (int(torch.randint(3, 10, (1,), generator=g)),),
+                                   generator=g).tolist()
+        n = int(torch.randint(1, 31, (1,), generator=g))
+        b.prompt_ids.append(prompt)
+        b.response_ids.append(torch.randint(3, 100, (n,), generator=g).tolist())
+        b.rollout_logprobs.append((-torch.rand(n, generator=g)).tolist())
+        b.rewards.append(float(i % 3 == 0))
+        b.prompt_index.append(i // group)
+        b.truncated.append(False)
+    b.advantages = group_advantages(torch.tensor(b.rewards), group).tolist()
+    return b
+
+
+def _budget_vs_padded(rank, world, hf_dir):
+    """One mini-batch in token-budget THD packs (old log-probs from its own forward) vs
+    padded micro-batches (old log-probs from a separate forward), at TP=2 then PP=2."""
+    from dataclasses import replace
+
+    from megatron.core import parallel_state
+
+    from megatron_klear.checkpoint.convert import SafetensorsReader
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.train.rl import RLConfig, old_logprobs, policy_loss_fn, \
+        rollout_microbatches
+
+    batch = _long_tail_batch()
+    rows = list(range(len(batch)))
+    n_tok = sum(len(r) for r in batch.response_ids)
+    n_pos = sum(len(r) for r, w in zip(batch.response_ids, batch.rewards) if w >= 1.0)
+    arch = qwen3_config_from_hf(load_hf_config(hf_dir))
+    out = {}
+    for tp, pp in ((2, 1), (1, 2)):
+        initialize_parallel(tp, pp, seed=0)
+        cfg = RLConfig(hf_checkpoint=str(hf_dir), prompt_data="unused",
+                       tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                       mini_batch_size=4, rollout_batch_size=4, n_samples_per_prompt=2,
+                       micro_batch_size=2, max_tokens_per_gpu=48)
+        engine = build_engine(cfg, arch, with_optimizer=False)
+        load_hf_weights(engine.model, arch, SafetensorsReader(hf_dir))
+
+        def step(run_cfg, precompute_old):
+            mbs = rollout_microbatches(batch, rows, run_cfg, pad_id=0)
+            if precompute_old:
+                old_logprobs(engine, mbs, arch.vocab_size, run_cfg.rollout_temperature)
+            for p in engine.model[0].parameters():
+                p.grad = None
+            stored = engine.forward_backward(mbs, policy_loss_fn(run_cfg, arch.vocab_size,
+                                                                 n_tok, n_pos))
+            grads = {n: p.grad.clone() for n, p in engine.model[0].named_parameters()}
+            loss = sum(float(m["train/loss"]) for m in stored) if stored else None
+            return mbs, loss, grads
+
+        packs, loss_pack, g_pack = step(cfg, precompute_old=False)
+        padded, loss_pad, g_pad = step(replace(cfg, pack_sequences=False,
+                                               max_tokens_per_gpu=None), precompute_old=True)
+        out[f"tp{tp}pp{pp}"] = dict(
+            loss_pack=loss_pack, loss_pad=loss_pad,
+            grad_diff=max(float((g_pack[n] - g_pad[n]).abs().max()) for n in g_pack),
+            grad_max=max(float(g.abs().max()) for g in g_pad.values()),
+            pack_tokens=[int(mb["tokens"].shape[1]) for mb in packs],
+            padded_shape=list(padded[0]["tokens"].shape), n_padded=len(padded))
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_token_budget_step_matches_padded_step_tp2_pp2(hf_model):
+    results = run_distributed(_budget_vs_padded, 2, str(hf_model))
+    for rank, per_layout in enumerate(results):
+        for layout, r in per_layout.items():
+            assert all(t <= 48 for t in r["pack_tokens"]), r  # the budget holds ...
+            assert len(set(r["pack_tokens"])) > 1, r  # ... with variable pack lengths
+            assert r["n_padded"] == 4 and r["padded_shape"][1] == max(
+                len(p) + len(q) for p, q in zip(_long_tail_batch().prompt_ids,
+                                                _long_tail_batch().response_ids)) - 1
+            assert sum(r["pack_tokens"]) < 8 * r["padded_shape"][1]  # less compute than padding
+            assert r["grad_max"] > 1e-2, (rank, layout, r)
+            assert r["grad_diff"] < 1e-5, (rank, layout, r)
+            if r["loss_pad"] is not None:
+                assert abs(r["loss_pack"] - r["loss_pad"]) < 1e-5, (rank, layout, r)
+    assert results[1]["tp1pp2"]["loss_pad"] is not None
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("rlp") / "prompts.jsonl"

@@ -135,3 +135,28 @@ def test_overflow_truncate_and_drop(setup):
     assert st.truncated > 0 and all(len(s.input_ids) <= 60 for s in kept)
     kept2, st2 = load_sft_dataset(data, tok, max_length=60, overflow="drop")
     assert st2.dropped == st.truncated and len(kept2) == len(kept) - st.truncated
+
+
+def test_max_tokens_per_gpu_bins(setup):
+    """--max-tokens-per-gpu: bins of that many tokens (one THD pack per micro-batch),
+    first-fit decreasing; bad combinations name the flags."""
+    from transformers import AutoTokenizer
+
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.data.sft import load_sft_dataset
+    from megatron_klear.train.sft import BinSchedule, SFTConfig
+
+    root, hf, data = setup
+    cfg = parse_config(SFTConfig, _args(hf, data, root / "unused", 1, "--max-tokens-per-gpu",
+                                        "512", "--micro-batch-size", "1"))
+    samples, _ = load_sft_dataset(data, AutoTokenizer.from_pretrained(str(hf)), max_length=129)
+    bins = BinSchedule(samples, cfg.bin_size, 5, True).epoch(0)
+    small = BinSchedule(samples, cfg.seq_length, 5, True).epoch(0)
+    fill = [sum(len(samples[i].input_ids) - 1 for i in b) for b in bins]
+    assert max(fill) <= 512 and len(bins) < len(small) / 3  # 4x the bin, ~1/4 the bins
+    assert sorted(i for b in bins for i in b) == list(range(len(samples)))
+    with pytest.raises(ConfigError, match="--micro-batch-size 1"):
+        parse_config(SFTConfig, _args(hf, data, root / "x", 1, "--max-tokens-per-gpu", "512"))
+    with pytest.raises(ConfigError, match="--seq-length"):
+        parse_config(SFTConfig, _args(hf, data, root / "x", 1, "--max-tokens-per-gpu", "64",
+                                      "--micro-batch-size", "1"))

@@ -1,26 +1,32 @@
-"""Sequence packing: several samples per fixed-length bin, with no attention across them.
+"""Sequence packing in THD layout: whole sequences end to end in one row, no s x s mask.
 
-A bin holds whole samples in order. Each sample contributes ``len - 1`` next-token
-positions; position ids restart at 0 for every sample, and the attention mask is
-block-diagonal causal, so a packed sample sees exactly what it would see alone.
+A pack is one micro-batch ``[1, T]``: sequence i contributes its ``len - 1`` next-token
+positions, ``cu_seqlens`` marks where each sequence starts, and position ids restart at 0
+for every sequence. The model reads ``cu_seqlens`` as megatron's ``PackedSeqParams``
+(qkv_format ``thd``): Transformer Engine's THD attention on GPU,
+:class:`~megatron_klear.models.varlen_attention.VarlenCoreAttention` in the local spec, so a
+packed sequence sees exactly what it would see alone. SFT (bins) and RL (token-budget
+micro-batches) both pack through :func:`pack_bins` and :func:`thd_pack`.
 """
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Mapping, Sequence
 
 import torch
 
 
-def pack_bins(lengths: Sequence[int], bin_size: int, window: int = 256) -> list[list[int]]:
-    """Group sample indices into bins whose next-token positions fit ``bin_size``.
+def pack_bins(lengths: Sequence[int], bin_size: int, window: int | None = 256
+              ) -> list[list[int]]:
+    """Group sample indices into bins whose next-token positions (``len - 1``) fit ``bin_size``.
 
-    First-fit decreasing inside consecutive windows of ``window`` samples: bins are a
-    deterministic function of the sample order (so the data position of a run is the
-    number of bins consumed), and no sample moves to another window. ``window=1`` puts
-    every sample in its own bin.
+    First-fit decreasing (ties by index) inside consecutive windows of ``window`` samples
+    (``None``: one window): bins are a deterministic function of the sample order, and no
+    sample moves to another window. ``window=1`` puts every sample in its own bin.
     """
     bins: list[list[int]] = []
+    window = window or max(len(lengths), 1)
     for start in range(0, len(lengths), window):
         members = range(start, min(start + window, len(lengths)))
         opened: list[tuple[list[int], list[int]]] = []  # ([used], indices)
@@ -40,38 +46,52 @@ def pack_bins(lengths: Sequence[int], bin_size: int, window: int = 256) -> list[
     return bins
 
 
+def thd_pack(seqs: Sequence[Sequence[int]],
+             label_fields: Mapping[str, Sequence[Sequence[float]]] | None = None, *,
+             pad_id: int = 0, multiple: int = 1) -> dict:
+    """One THD micro-batch from whole token sequences.
+
+    Returns tokens, labels, position_ids and segment_ids (-1 on padding) ``[1, T]`` (long),
+    one float ``[1, T]`` tensor per entry of ``label_fields`` (per sequence, one value per
+    label, i.e. ``len - 1`` values), ``cu_seqlens`` (int32 ``[n + 1]``) and ``max_seqlen``.
+    With ``multiple > 1`` the pack is padded at its end to a multiple of it (e.g. the TP size
+    for sequence parallelism); the padding is a segment of its own with zero label fields.
+    """
+    lens = [len(s) - 1 for s in seqs]
+    if not seqs or min(lens) < 1:
+        raise ValueError("a pack needs at least one sequence, each of >= 2 tokens")
+    pad = -sum(lens) % multiple
+    spans = lens + ([pad] if pad else [])
+    out: dict = {
+        "tokens": list(chain.from_iterable(s[:-1] for s in seqs)) + [pad_id] * pad,
+        "labels": list(chain.from_iterable(s[1:] for s in seqs)) + [pad_id] * pad,
+    }
+    out = {k: torch.tensor(v, dtype=torch.long)[None] for k, v in out.items()}
+    for name, per_seq in (label_fields or {}).items():
+        for i, (vals, n) in enumerate(zip(per_seq, lens)):
+            if len(vals) != n:
+                raise ValueError(f"{name} of sequence {i} has {len(vals)} values for {n} labels")
+        out[name] = torch.tensor(list(chain.from_iterable(per_seq)) + [0.0] * pad,
+                                 dtype=torch.float)[None]
+    sizes = torch.tensor(spans)
+    cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
+    cu[1:] = sizes.cumsum(0)
+    starts = torch.repeat_interleave(cu[:-1].long(), sizes)
+    out["position_ids"] = (torch.arange(int(cu[-1])) - starts)[None]
+    seg = torch.repeat_interleave(torch.arange(len(spans)), sizes)
+    out["segment_ids"] = torch.where(seg < len(seqs), seg, -1)[None]
+    out["cu_seqlens"], out["max_seqlen"] = cu, max(spans)
+    return out
+
+
 def build_packed_batch(samples: Sequence[tuple[list[int], list[int]]]
                        | Mapping[int, tuple[list[int], list[int]]],
-                       bins: Sequence[Sequence[int]], seq_length: int, pad_id: int = 0
-                       ) -> dict[str, torch.Tensor]:
-    """A micro-batch [len(bins), seq_length] from (input_ids, loss_mask) samples, indexed
-    by the sample ids in ``bins``.
-
-    Returns tokens, labels, loss_mask, position_ids, segment_ids (-1 on padding) and a
-    boolean attention_mask [b, 1, s, s] (True = masked) for megatron-core.
-    """
-    b = len(bins)
-    tokens = torch.full((b, seq_length), pad_id, dtype=torch.long)
-    labels = torch.full((b, seq_length), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(b, seq_length)
-    position_ids = torch.zeros(b, seq_length, dtype=torch.long)
-    segment_ids = torch.full((b, seq_length), -1, dtype=torch.long)
-    for row, members in enumerate(bins):
-        pos = 0
-        for seg, idx in enumerate(members):
-            ids, mask = samples[idx]
-            n = len(ids) - 1
-            tokens[row, pos:pos + n] = torch.tensor(ids[:-1])
-            labels[row, pos:pos + n] = torch.tensor(ids[1:])
-            loss_mask[row, pos:pos + n] = torch.tensor(mask[1:], dtype=torch.float)
-            position_ids[row, pos:pos + n] = torch.arange(n)
-            segment_ids[row, pos:pos + n] = seg
-            pos += n
-    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
-    causal = torch.ones(seq_length, seq_length, dtype=torch.bool).tril()
-    attention_mask = ~(same & causal)  # every position sees itself: softmax stays finite
-    return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
-                segment_ids=segment_ids, attention_mask=attention_mask.unsqueeze(1))
+                       members: Sequence[int], *, pad_id: int = 0, multiple: int = 1) -> dict:
+    """The THD pack of SFT samples ``members`` (indices into ``samples`` of (input_ids,
+    loss_mask) pairs): :func:`thd_pack` with a ``loss_mask`` aligned with the labels."""
+    chosen = [samples[i] for i in members]
+    return thd_pack([ids for ids, _ in chosen], {"loss_mask": [m[1:] for _, m in chosen]},
+                    pad_id=pad_id, multiple=multiple)
 
 
 def padding_fraction(lengths: Sequence[int], seq_length: int, packed: bool) -> float:

@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_block import (LayerNormImpl,
 
 from megatron_klear.config import ConfigError
 from megatron_klear.models.norms import norm_specs
+from megatron_klear.models.varlen_attention import VarlenCoreAttention
 
 try:  # Transformer Engine is optional (GPU only)
     import transformer_engine  # noqa: F401
@@ -135,7 +136,8 @@ def layer_spec(transformer_impl: str = "local") -> ModuleSpec:
     """The Qwen3 layer spec of ``--transformer-impl``; never picks Transformer Engine silently.
 
     ``local``: megatron-core's local spec with :mod:`megatron_klear.models.norms` RMSNorms
-    (which, unlike megatron's torch-norm wrapper, support sequence parallelism).
+    (which, unlike megatron's torch-norm wrapper, support sequence parallelism) and
+    :class:`VarlenCoreAttention`, so that THD packs attend within each sequence.
     """
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ConfigError(f"--transformer-impl {transformer_impl!r}: choose from "
@@ -152,6 +154,7 @@ def layer_spec(transformer_impl: str = "local") -> ModuleSpec:
     sub.input_layernorm = sub.pre_mlp_layernorm = norm
     sub.self_attention.submodules.q_layernorm = qk_norm
     sub.self_attention.submodules.k_layernorm = qk_norm
+    sub.self_attention.submodules.core_attention = VarlenCoreAttention
     return spec
 
 

@@ -57,7 +57,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-MicroBatch = dict  # "tokens", "position_ids", optional "attention_mask", plus loss inputs
+MicroBatch = dict  # "tokens", "position_ids", optional THD "cu_seqlens"/"max_seqlen", loss inputs
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -101,7 +101,8 @@ class Engine:
 
         def forward_step(data_iterator, model):
             batch = to_device(next(data_iterator))
-            logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+            logits = model(batch["tokens"], batch["position_ids"], None,
+                           packed_seq_params=packed_seq_params(batch))
 
             def loss_func(output):
                 loss, metrics = loss_fn(output, batch)
@@ -109,7 +110,7 @@ class Engine:
 
             return logits, loss_func
 
-        b, s = microbatches[0]["tokens"].shape
+        b, s = schedule_shape(microbatches, self.transformer_config)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.model,
             num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
@@ -169,6 +170,30 @@ class Engine:
         finally:
             for chunk in self.model:
                 chunk.train()
+
+
+def packed_seq_params(batch: MicroBatch):
+    """megatron's THD ``PackedSeqParams`` of a packed micro-batch (one with ``cu_seqlens``,
+    see :mod:`megatron_klear.data.packing`), or None for a plain causal batch."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if "cu_seqlens" not in batch:
+        return None
+    cu, longest = batch["cu_seqlens"], int(batch["max_seqlen"])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def schedule_shape(microbatches: list[MicroBatch], config) -> tuple[int, int]:
+    """(micro-batch size, sequence length) for megatron's schedule.
+
+    Packs and padded batches differ in length from one micro-batch to the next; then
+    megatron's ``variable_seq_lengths`` makes the pipeline stages exchange each activation's
+    shape before sending it (one extra small message per micro-batch, PP only).
+    """
+    shapes = {tuple(mb["tokens"].shape) for mb in microbatches}
+    config.variable_seq_lengths = len(shapes) > 1
+    return max(shapes)
 
 
 def sum_metrics(per_microbatch: list[dict]) -> dict[str, float]:

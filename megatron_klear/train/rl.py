@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_klear.algo.losses import sft_loss
 from megatron_klear.config import ConfigError, TrainConfig, opt
+from megatron_klear.data.packing import pack_bins, thd_pack
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
@@ -69,6 +70,12 @@ class RLConfig(TrainConfig):
     eval_interval: int = opt(0, "evaluate every K steps (0: off)")
     eval_k: int = opt(4, "samples per eval problem")
     export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
+    # micro-batching of the rollout sequences
+    max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: pack rollout "
+                                         "sequences (THD, first-fit decreasing) under it; unset: "
+                                         "--micro-batch-size sequences per micro-batch")
+    pack_sequences: bool = opt(True, "THD packs without padding (--no-pack-sequences: "
+                               "micro-batches right-padded to the longest sequence)")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -84,35 +91,84 @@ class RLConfig(TrainConfig):
             raise ConfigError("--n-samples-per-prompt must be >= 2 (group advantages)")
         if not 0 < self.eps_clip_low < 1 or self.eps_clip_high <= 0:
             raise ConfigError("--eps-clip-low must be in (0, 1) and --eps-clip-high > 0")
+        if self.max_tokens_per_gpu is not None:
+            if self.max_tokens_per_gpu < 2:
+                raise ConfigError(f"--max-tokens-per-gpu must be >= 2, got "
+                                  f"{self.max_tokens_per_gpu}")
+            if not self.pack_sequences:
+                raise ConfigError("--max-tokens-per-gpu packs sequences; drop "
+                                  "--no-pack-sequences")
+
+
+FIELDS = ("loss_mask", "advantages", "positive", "rollout_logprobs")  # per-label loss inputs
+
+
+def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, list[float]]]:
+    """Sample ``i`` as one sequence (prompt + response) and its per-label loss inputs.
+
+    labels[t] is token t+1; loss_mask marks the response tokens; advantages, ``positive``
+    (fully correct response) and rollout log-probs are aligned with the labels.
+    """
+    p, resp = batch.prompt_ids[i], batch.response_ids[i]
+    ctx, n = [0.0] * (len(p) - 1), len(resp)
+    lp = list(batch.rollout_logprobs[i][:n])
+    return p + resp, {"loss_mask": ctx + [1.0] * n,
+                      "advantages": ctx + [float(batch.advantages[i])] * n,
+                      "positive": ctx + [float(batch.rewards[i] >= 1.0)] * n,
+                      "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
 
 
 def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_id: int,
                      seq_len: int) -> list[dict]:
-    """Micro-batches of whole sequences (prompt + response), right-padded to ``seq_len``.
-
-    labels[t] is token t+1; loss_mask marks response tokens; per-token advantages and
-    rollout log-probs are aligned with labels.
-    """
+    """Micro-batches of ``micro`` whole sequences right-padded to ``seq_len`` next-token
+    positions (``--no-pack-sequences``: the padded reference layout)."""
     out = []
     for start in range(0, len(rows), micro):
         chunk = rows[start:start + micro]
-        b = len(chunk)
-        d = {k: torch.zeros(b, seq_len) for k in ("loss_mask", "advantages", "rollout_logprobs",
-                                                   "positive")}
-        tokens = torch.full((b, seq_len + 1), pad_id, dtype=torch.long)
+        d = {k: torch.zeros(len(chunk), seq_len) for k in FIELDS}
+        tokens = torch.full((len(chunk), seq_len + 1), pad_id, dtype=torch.long)
         for r, i in enumerate(chunk):
-            p, resp = batch.prompt_ids[i], batch.response_ids[i]
-            seq = (p + resp)[: seq_len + 1]
+            seq, fields = sample_fields(batch, i)
             tokens[r, :len(seq)] = torch.tensor(seq)
-            lo, hi = len(p) - 1, min(len(p) - 1 + len(resp), seq_len)
-            d["loss_mask"][r, lo:hi] = 1.0
-            d["advantages"][r, lo:hi] = batch.advantages[i]
-            d["positive"][r, lo:hi] = float(batch.rewards[i] >= 1.0)
-            d["rollout_logprobs"][r, lo:hi] = torch.tensor(batch.rollout_logprobs[i][:hi - lo])
+            for k, v in fields.items():
+                d[k][r, :len(v)] = torch.tensor(v)
         d.update(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
-                 position_ids=torch.arange(seq_len).expand(b, seq_len))
+                 position_ids=torch.arange(seq_len).expand(len(chunk), seq_len))
         out.append(d)
     return out
+
+
+def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
+                      pad_id: int) -> list[dict]:
+    """THD micro-batches of ``rows`` without padding: ``--micro-batch-size`` sequences each,
+    or, with ``--max-tokens-per-gpu``, first-fit-decreasing packs under that token budget."""
+    lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
+    if cfg.max_tokens_per_gpu:
+        budget = cfg.max_tokens_per_gpu - cfg.max_tokens_per_gpu % cfg.tensor_model_parallel_size
+        if max(lengths) - 1 > budget:
+            raise ConfigError(f"--max-tokens-per-gpu {cfg.max_tokens_per_gpu} is smaller than a "
+                              f"rollout sequence of {max(lengths) - 1} tokens; raise it to at "
+                              "least the longest prompt + --rollout-max-response-len")
+        groups = pack_bins(lengths, budget, window=None)
+    else:
+        groups = [list(range(s, min(s + cfg.micro_batch_size, len(rows))))
+                  for s in range(0, len(rows), cfg.micro_batch_size)]
+    out = []
+    for group in groups:
+        seqs, fields = zip(*(sample_fields(batch, rows[j]) for j in group))
+        out.append(thd_pack(seqs, {k: [f[k] for f in fields] for k in FIELDS}, pad_id=pad_id,
+                            multiple=cfg.tensor_model_parallel_size))
+    return out
+
+
+def rollout_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
+                         pad_id: int) -> list[dict]:
+    """This DP rank's micro-batches of the mini-batch ``rows``, packed or padded."""
+    mine = dp_rows(rows)
+    if cfg.pack_sequences:
+        return pack_microbatches(batch, mine, cfg, pad_id)
+    seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
+    return pad_microbatches(batch, mine, cfg.micro_batch_size, pad_id, seq_len)
 
 
 def dp_rows(rows: Sequence[int]) -> list[int]:
@@ -123,16 +179,24 @@ def dp_rows(rows: Sequence[int]) -> list[int]:
     return list(rows[r * per:(r + 1) * per])
 
 
+def fill_logprobs(logits: torch.Tensor, batch: dict, vocab_size: int, temperature: float,
+                  backend: str) -> None:
+    """Set ``old_logprobs`` and ``entropy`` of a micro-batch from its logits (no gradient)."""
+    lp, ent = vocab_parallel_logprobs(logits, batch["labels"],
+                                      tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                      compute_entropy=True, temperature=temperature,
+                                      vocab_size=vocab_size, backend=backend)
+    batch["old_logprobs"], batch["entropy"] = lp.float(), ent.float()
+
+
 def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: float) -> None:
     """Fill ``old_logprobs`` and ``entropy`` of each micro-batch with the current policy."""
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if not mbs:
+        return
     backend = loss_backend(engine.cfg.loss_backend)
 
     def fwd(logits, batch):
-        lp, ent = vocab_parallel_logprobs(logits, batch["labels"], tp_group=tp_group,
-                                          compute_entropy=True, temperature=temperature,
-                                          vocab_size=vocab_size, backend=backend)
-        batch["old_logprobs"], batch["entropy"] = lp.float(), ent.float()
+        fill_logprobs(logits, batch, vocab_size, temperature, backend)
         return torch.zeros(()), {}
 
     engine.forward_only(mbs, fwd)
@@ -145,6 +209,8 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
 
     def loss_fn(logits, b):
         mask = b["loss_mask"]
+        if "old_logprobs" not in b:  # first mini-batch: the policy has not moved, old = current
+            fill_logprobs(logits, b, vocab_size, cfg.rollout_temperature, backend)
         old = b["old_logprobs"]
         adv = b["advantages"]
         if cfg.tis_cap is not None:  # truncated IS: correct for the rollout/trainer mismatch
@@ -173,13 +239,13 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
 def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: int) -> dict:
     """Old log-probs, then one optimizer step per mini-batch; returns averaged metrics."""
     vocab = engine.arch.vocab_size
-    seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
-    mbs_per_mini = [pad_microbatches(batch, dp_rows(rows), cfg.micro_batch_size, pad_id, seq_len)
-                    for rows in minis]
+    mbs_per_mini = [rollout_microbatches(batch, rows, cfg, pad_id) for rows in minis]
     t0 = time.time()
-    old_logprobs(engine, [mb for mbs in mbs_per_mini for mb in mbs], vocab,
+    # the first mini-batch trains on the policy that sampled: its old log-probs come from its
+    # own training forward (policy_loss_fn); the later ones need the pre-update policy
+    old_logprobs(engine, [mb for mbs in mbs_per_mini[1:] for mb in mbs], vocab,
                  cfg.rollout_temperature)
     t_old = time.time() - t0
     totals: dict[str, float] = {}

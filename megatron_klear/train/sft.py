@@ -1,5 +1,7 @@
 """Long-CoT SFT trainer (``klear-sft``): response-only loss, packing, any TP/PP, exact resume.
 
+Samples are packed into bins (first-fit decreasing); a micro-batch is one THD pack of whole
+samples (no padding, no attention across samples, see :mod:`megatron_klear.data.packing`).
 Every rank reads the whole dataset and derives the same epoch order from the seed, so the
 data position of a run is one number (bins consumed), saved with each checkpoint.
 """
@@ -35,7 +37,10 @@ class SFTConfig(TrainConfig):
     messages_key: str = opt("messages", "chat messages field of a record (used when present)")
     overflow: str = opt("truncate", "sequences longer than --seq-length",
                         choices=("truncate", "drop"))
-    pack: bool = opt(True, "pack several samples per sequence (--no-pack: one per row)")
+    pack: bool = opt(True, "pack several samples per bin (--no-pack: one sample per bin)")
+    max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: bins of at most "
+                                         "this many tokens, one bin per micro-batch (unset: bins "
+                                         "of --seq-length, --micro-batch-size bins per pack)")
     export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
 
     def validate(self) -> None:  # noqa: D102
@@ -44,14 +49,26 @@ class SFTConfig(TrainConfig):
             raise ConfigError("--data-path is required (JSONL or Parquet SFT data)")
         if not self.hf_checkpoint:
             raise ConfigError("--hf-checkpoint is required (architecture and tokenizer)")
+        if self.max_tokens_per_gpu is not None:
+            if self.max_tokens_per_gpu < self.seq_length:
+                raise ConfigError(f"--max-tokens-per-gpu {self.max_tokens_per_gpu} must be >= "
+                                  f"--seq-length {self.seq_length} (the longest sample)")
+            if self.micro_batch_size != 1:
+                raise ConfigError("--max-tokens-per-gpu makes each micro-batch one bin: set "
+                                  "--micro-batch-size 1")
+
+    @property
+    def bin_size(self) -> int:
+        """Next-token positions per bin."""
+        return self.max_tokens_per_gpu or self.seq_length
 
 
 class BinSchedule:
     """The deterministic stream of packed bins: epoch e is a seeded shuffle, packing, and a
     seeded shuffle of the bins."""
 
-    def __init__(self, samples: Sequence[SFTSample], seq_length: int, seed: int, pack: bool):
-        self.samples, self.seq_length, self.seed, self.pack = samples, seq_length, seed, pack
+    def __init__(self, samples: Sequence[SFTSample], bin_size: int, seed: int, pack: bool):
+        self.samples, self.bin_size, self.seed, self.pack = samples, bin_size, seed, pack
         self._epoch_bins: dict[int, list[list[int]]] = {}
 
     def epoch(self, e: int) -> list[list[int]]:
@@ -61,7 +78,7 @@ class BinSchedule:
             random.Random(self.seed * 1000003 + e).shuffle(order)
             lengths = [len(self.samples[i].input_ids) for i in order]
             bins = [[order[j] for j in b] for b in
-                    pack_bins(lengths, self.seq_length, window=256 if self.pack else 1)]
+                    pack_bins(lengths, self.bin_size, window=256 if self.pack else 1)]
             # packing emits bins by length inside a window: shuffle so steps stay i.i.d.
             random.Random(self.seed * 1000003 + e + 1).shuffle(bins)
             self._epoch_bins = {e: bins}  # keep one epoch in memory
@@ -90,8 +107,10 @@ def make_microbatches(samples: Sequence[SFTSample], bins: Sequence[list[int]], c
     rank = parallel_state.get_data_parallel_rank()
     per = len(bins) // dp
     mine = bins[rank * per:(rank + 1) * per]
-    mbs = [build_packed_batch(pairs, mine[i:i + cfg.micro_batch_size], cfg.seq_length)
-           for i in range(0, len(mine), cfg.micro_batch_size)]
+    step = cfg.micro_batch_size
+    mbs = [build_packed_batch(pairs, [i for b in mine[j:j + step] for i in b],
+                              multiple=cfg.tensor_model_parallel_size)
+           for j in range(0, len(mine), step)]
     return mbs, total
 
 
@@ -120,7 +139,7 @@ def train(cfg: SFTConfig) -> list[dict]:
     backend = loss_backend(cfg.loss_backend)
     info = restore_or_init(engine)
     step, consumed = (info.iteration, info.extra["consumed_bins"]) if info else (0, 0)
-    schedule = BinSchedule(samples, cfg.seq_length, cfg.seed, cfg.pack)
+    schedule = BinSchedule(samples, cfg.bin_size, cfg.seed, cfg.pack)
     log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
                         desc="sft", progress=cfg.progress_bar, log_interval=cfg.log_interval)
     if step == 0 and log.enabled:
@@ -146,9 +165,9 @@ def train(cfg: SFTConfig) -> list[dict]:
 
 
 def memory_workload(cfg: SFTConfig) -> Workload:
-    """What the SFT trainer feeds the model: --seq-length bins with a [b, 1, s, s] boolean
-    attention mask each (build_packed_batch), under token_loss's fp32 cross-entropy."""
-    return Workload(cfg.seq_length, fused_loss=False, attention_mask=True)
+    """What the SFT trainer feeds the model: THD packs of bins of ``bin_size`` tokens (no
+    attention mask), under the fused log-prob loss unless --loss-backend torch."""
+    return Workload(cfg.bin_size, fused_loss=cfg.loss_backend != "torch", attention_mask=False)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
