@@ -169,7 +169,7 @@ def _layout_logits(arch, ckpt, tp, pp, ids):
 
 
 def _two_ranks(rank, world, hf_dirs, single_out: Path, out: Path):
-    from megatron_klear.checkpoint import convert, hf_bridge, state
+    from megatron_klear.checkpoint import convert, hf_bridge, hf_io, state
     from megatron_klear.models import qwen3
 
     res = {}
@@ -187,6 +187,13 @@ def _two_ranks(rank, world, hf_dirs, single_out: Path, out: Path):
         logits = {}
         for tp, pp in ((2, 1), (1, 2), (1, 1)):
             logits[tp, pp], model = _layout_logits(arch, tp2_ckpt, tp, pp, ids)
+            if (tp, pp) in ((2, 1), (1, 2)):  # a live model's HF export (the trainers')
+                d = hf_io.export_model_to_hf([model], arch, out / f"live_{tp}{pp}_{int(tie)}",
+                                             tokenizer_dir=hf)
+                returned, original = _hf_tensors(d), _hf_tensors(hf)
+                res["live", tp, pp, tie] = (set(returned) == set(original) and all(
+                    torch.equal(returned[n], original[n]) for n in original),
+                    len(list(d.glob("*.safetensors"))), (d / "tokenizer.json").is_file())
             if (tp, pp) == (2, 1):  # weight-sync export: full tensors on every TP rank
                 exported = hf_bridge.hf_state_dict_from_megatron([model], arch)
                 original = _hf_tensors(hf)
@@ -232,6 +239,14 @@ def test_checkpoint_converted_by_two_ranks_loads_at_tp2_pp2_and_tp1(double, tie)
     assert double["split", tie] == (2, ["0", "1"])  # both ranks wrote their share
     assert double["layouts", tie] < TOL
     assert double["layout_spread", tie] < 1e-5
+
+
+@pytest.mark.parametrize("tie", TIES)
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_live_model_export_is_bitwise(double, tie, layout):
+    same, shards, tokenizer = double["live", *layout, tie]
+    assert same and tokenizer
+    assert shards == layout[1]  # one shard per pipeline stage
 
 
 @pytest.mark.parametrize("tie", TIES)
