@@ -48,7 +48,7 @@ class Chunk:
     storage_offset: int
 
     @property
-    def nbytes_elements(self) -> int:
+    def numel(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
@@ -222,7 +222,7 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
     """
 
     def __init__(self, slots: list[ParamSlot],
-                 build: Callable[[ParamSlot], list[torch.Tensor]], threads: int = 2) -> None:
+                 build: Callable[[ParamSlot], list[torch.Tensor]], threads: int = 1) -> None:
         super().__init__("torch_dist", 1, thread_count=threads)
         self._slots = slots
         self._source = _ChunkSource(slots, build)
@@ -236,7 +236,7 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
             _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
 
         chunks = [(c.key, c.global_offset) for s in self._slots for c in s.chunks]
-        sizes = [c.nbytes_elements for s in self._slots for c in s.chunks]
+        sizes = [c.numel for s in self._slots for c in s.chunks]
         owner = dict(zip(chunks, balance(sizes, dist.get_world_size())))
         me = dist.get_rank()
         for st in nested_values(sharded_state_dict):
