@@ -359,3 +359,27 @@ def test_existing_out_dir_needs_overwrite(hf_dirs, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(ConversionError, match="--out-dir .* already exists; pass --overwrite"):
         convert_hf_to_megatron(hf_dirs[False], tmp_path / "out")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, at any depth (function-local imports too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_engine_does_not_import_the_converter():
+    """train/engine.py takes the HF reader and export from checkpoint/hf_io.py, so it is not
+    in an import circle with the converter (which uses the engine's parallel setup)."""
+    engine = _imported_modules(REPO / "megatron_klear" / "train" / "engine.py")
+    assert "megatron_klear.checkpoint.convert" not in engine
+    assert "megatron_klear.checkpoint.hf_io" in engine
+    assert "megatron_klear.train.engine" in _imported_modules(
+        REPO / "megatron_klear" / "checkpoint" / "convert.py")  # the other half of the circle
