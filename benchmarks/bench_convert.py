@@ -1,15 +1,18 @@
 """Benchmark HF <-> Megatron conversion on a Qwen3-0.6B-shaped model (random bf16, ~1.2 GB).
 
-Measured side by side in one run, each step in a fresh process (so peak RSS is per step):
+Measured side by side in one run, each step in a fresh process (so peak RSS is per step),
+the steps interleaved and repeated ``--repeat`` times (the machine is shared: medians):
 
 * baseline: a plain safetensors read + write of the same shards (the local disk limit);
-* HF -> Megatron (``convert_hf_to_megatron``, bf16, TP1/PP1);
+* HF -> Megatron (``convert_hf_to_megatron``, default flags: dtype auto = bf16);
 * Megatron -> HF (``convert_megatron_to_hf``), then a bitwise check against the input.
 
-Prints seconds, GB/s of model bytes, the ratio to the baseline, and peak RSS against the
-largest input shard. Nothing is downloaded: the weights are made locally.
+Prints seconds, GB/s of model bytes, the speed as a fraction of the baseline (target
+>= 0.70), and peak RSS above the import floor against the largest input shard (target:
+at most one shard plus one layer's tensors). Nothing is downloaded: the weights are made
+locally.
 
-    python benchmarks/bench_convert.py [--work-dir DIR] [--shard-size-mb 400]
+    python benchmarks/bench_convert.py [--work-dir DIR] [--shard-size-mb 400] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,7 +121,7 @@ def child(step: str, src: str, dst: str, shard_bytes: int) -> None:
     if step == "plain":
         plain_copy(Path(src), Path(dst))
     elif step == "hf2mg":
-        convert.convert_hf_to_megatron(src, dst, dtype="bf16")
+        convert.convert_hf_to_megatron(src, dst)
     elif step == "mg2hf":
         convert.convert_megatron_to_hf(src, dst, max_shard_bytes=shard_bytes)
     seconds = time.perf_counter() - start
@@ -143,10 +147,27 @@ def run_step(step: str, src: Path, dst: Path, shard_bytes: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def layer_bytes(config: dict) -> int:
+    """Bytes of one transformer layer's HF tensors (the streaming memory allowance)."""
+    from megatron_klear.checkpoint.hf_bridge import hf_shape, hf_tensor_names
+    from megatron_klear.models.qwen3 import qwen3_config_from_hf
+
+    arch = qwen3_config_from_hf(config)
+    total = 0
+    for name in hf_tensor_names(arch):
+        if name.startswith("model.layers.0."):
+            n = 2
+            for d in hf_shape(name, arch):
+                n *= d
+            total += n
+    return total
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--work-dir", default=None, help="scratch dir (default: a temp dir, removed)")
     p.add_argument("--shard-size-mb", type=int, default=400, help="input safetensors shard size")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of all steps (medians reported)")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -154,31 +175,47 @@ def main() -> None:
         return
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_convert_"))
     try:
-        shard = a.shard_size_mb * 2**20
-        total = make_hf_model(work / "hf", shard)
-        largest = max(f.stat().st_size for f in (work / "hf").glob("*.safetensors"))
-        steps = {"imports only (RSS floor)": ("imports", "hf", "none"),
-                 "plain safetensors read+write": ("plain", "hf", "copy"),
-                 "hf -> megatron (torch_dist)": ("hf2mg", "hf", "mg"),
-                 "megatron -> hf (safetensors)": ("mg2hf", "mg", "back")}
-        results = {name: run_step(step, work / src, work / dst, shard)
-                   for name, (step, src, dst) in steps.items()}
-        same = bitwise_equal(work / "hf", work / "back")
-        base, floor = results["plain safetensors read+write"], results.pop(
-            "imports only (RSS floor)")["peak_rss"]
-        print(f"model: Qwen3-0.6B shape, bf16, {total / 1e9:.2f} GB in "
-              f"{len(list((work / 'hf').glob('*.safetensors')))} shards, largest "
-              f"{largest / 1e9:.2f} GB; import RSS floor {floor / 1e9:.2f} GB; "
-              f"round trip bitwise identical: {same}")
-        print(f"{'step':30s} {'wall s':>7s} {'cpu s':>6s} {'GB/s':>5s} {'x plain':>7s} "
-              f"{'peak RSS GB':>11s} {'(RSS-floor)/shard':>17s}")
-        for name, r in results.items():
-            print(f"{name:30s} {r['seconds']:7.2f} {r['cpu']:6.2f} "
-                  f"{total / 1e9 / r['seconds']:5.2f} {r['seconds'] / base['seconds']:7.2f} "
-                  f"{r['peak_rss'] / 1e9:11.2f} {(r['peak_rss'] - floor) / largest:17.2f}")
+        report(work, a.shard_size_mb * 2**20, a.repeat)
     finally:
         if a.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def report(work: Path, shard: int, repeat: int) -> None:
+    """Run the steps ``repeat`` times, interleaved, and print the table."""
+    from megatron_klear.models.tiny import tiny_qwen3_config
+
+    total = make_hf_model(work / "hf", shard)
+    largest = max(f.stat().st_size for f in (work / "hf").glob("*.safetensors"))
+    layer = layer_bytes(tiny_qwen3_config(**QWEN3_0_6B))
+    floor = run_step("imports", work / "hf", work / "none", shard)["peak_rss"]
+    steps = {"plain safetensors read+write": ("plain", "hf", "copy"),
+             "hf -> megatron (torch_dist)": ("hf2mg", "hf", "mg"),
+             "megatron -> hf (safetensors)": ("mg2hf", "mg", "back")}
+    runs: dict[str, list[dict]] = {name: [] for name in steps}
+    same = True
+    for _ in range(repeat):
+        for name, (step, src, dst) in steps.items():
+            shutil.rmtree(work / dst, ignore_errors=True)
+            runs[name].append(run_step(step, work / src, work / dst, shard))
+        same = same and bitwise_equal(work / "hf", work / "back")
+    med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
+    base = med["plain safetensors read+write"]
+    print(f"model: Qwen3-0.6B shape, bf16, {total / 1e9:.2f} GB in "
+          f"{len(list((work / 'hf').glob('*.safetensors')))} shards, largest "
+          f"{largest / 1e9:.2f} GB, one layer {layer / 1e6:.1f} MB; import RSS floor "
+          f"{floor / 1e9:.2f} GB; {repeat} interleaved rounds; round trip bitwise identical: "
+          f"{same}")
+    print(f"{'step':30s} {'wall s (median, all)':>28s} {'cpu s':>6s} {'GB/s':>5s} "
+          f"{'speed/plain':>11s} {'peak RSS GB':>11s} {'(RSS-floor)/shard':>17s} {'bound':>5s}")
+    for name, rs in runs.items():
+        rss = max(r["peak_rss"] for r in rs)
+        walls = ", ".join(f"{r['seconds']:.2f}" for r in rs)
+        ok = rss - floor <= largest + layer
+        print(f"{name:30s} {med[name]:6.2f} ({walls:>19s}) "
+              f"{statistics.median(r['cpu'] for r in rs):6.2f} {total / 1e9 / med[name]:5.2f} "
+              f"{base / med[name]:11.2f} {rss / 1e9:11.2f} {(rss - floor) / largest:17.2f} "
+              f"{'met' if ok else 'NOT':>5s}")
 
 
 if __name__ == "__main__":

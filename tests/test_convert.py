@@ -34,6 +34,25 @@ def hf_dirs(tmp_path_factory) -> dict[bool, Path]:
                                     tie_word_embeddings=tie) for tie in TIES}
 
 
+# Source dtypes for the default-flags round trip: the fp32 fixture as saved, an fp16 copy
+# (config says float16), and a bf16 copy whose config names no dtype (the tensors decide).
+DTYPE_CASES = {"fp32": (None, "float32"), "fp16": (torch.float16, "float16"),
+               "bf16_no_config_dtype": (torch.bfloat16, None)}
+
+
+def _recast(hf: Path, out: Path, dtype: torch.dtype | None, config_dtype: str | None) -> Path:
+    shutil.copytree(hf, out)
+    if dtype is not None:
+        tensors = {n: t.to(dtype) for n, t in load_file(out / "model.safetensors").items()}
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    if config_dtype is not None:
+        cfg["torch_dtype"] = config_dtype
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
@@ -69,6 +88,13 @@ def _one_rank(rank, world, hf_dirs, out: Path):
     sharded = _reshard_round_robin(hf_dirs[False], out / "hf_sharded", n=3)
     ckpt = convert.convert_hf_to_megatron(sharded, out / "mg_sharded", dtype="fp32")
     res["sharded_input"] = convert.compare_logits(hf_dirs[False], ckpt)
+    # Default flags (dtype auto) both ways, for each source dtype.
+    for case, (dtype, config_dtype) in DTYPE_CASES.items():
+        src = _recast(hf_dirs[True], out / f"src_{case}", dtype, config_dtype)
+        mg = convert.convert_hf_to_megatron(src, out / f"mg_{case}")
+        back = convert.convert_megatron_to_hf(mg, out / f"back_{case}", max_shard_bytes=100_000)
+        meta = state.read_meta(state.find_latest_checkpoint(mg))
+        res["dtype", case] = (str(src), str(back), meta["params_dtype"])
     return res
 
 
@@ -102,6 +128,19 @@ def test_wrong_qkv_grouping_is_caught_by_the_parity_check(single, tie):
     assert single[0]["wrong_qkv", tie] > 100 * TOL
 
 
+@pytest.mark.parametrize("case", sorted(DTYPE_CASES))
+def test_default_flags_keep_the_source_dtype_and_round_trip_bitwise(single, case):
+    src, back, params_dtype = single[0]["dtype", case]
+    original, returned = _hf_tensors(Path(src)), _hf_tensors(Path(back))
+    want = {"fp32": torch.float32, "fp16": torch.float16, "bf16_no_config_dtype": torch.bfloat16}
+    assert params_dtype == str(want[case]).replace("torch.", "")
+    assert {t.dtype for t in original.values()} == {want[case]}
+    assert set(returned) == set(original)
+    assert [n for n in original if original[n].dtype != returned[n].dtype
+            or not torch.equal(original[n], returned[n])] == []
+    assert json.loads((Path(back) / "config.json").read_text())["torch_dtype"] == params_dtype
+
+
 @pytest.mark.parametrize("tie", TIES)
 def test_hf_megatron_hf_round_trip_is_bitwise(single, hf_dirs, tie):
     back = Path(single[0]["back", tie])
@@ -130,7 +169,7 @@ def _layout_logits(arch, ckpt, tp, pp, ids):
 
 
 def _two_ranks(rank, world, hf_dirs, single_out: Path, out: Path):
-    from megatron_klear.checkpoint import convert, hf_bridge, state
+    from megatron_klear.checkpoint import convert, hf_bridge, hf_io, state
     from megatron_klear.models import qwen3
 
     res = {}
@@ -139,19 +178,39 @@ def _two_ranks(rank, world, hf_dirs, single_out: Path, out: Path):
         res["tp2", tie] = convert.compare_logits(hf, tp1_ckpt, tp=2)
         res["pp2", tie] = convert.compare_logits(hf, tp1_ckpt, pp=2)
         tp2_ckpt = convert.convert_hf_to_megatron(hf, out / f"tp2_{int(tie)}", tp=2, dtype="fp32")
-        res["tp2_meta", tie] = state.read_meta(state.find_latest_checkpoint(tp2_ckpt))["tp"]
+        it = state.find_latest_checkpoint(tp2_ckpt)
+        res["split", tie] = (state.read_meta(it)["world_size"],
+                             sorted({p.name.split("_")[2] for p in it.glob("__*.distcp")}))
         arch = qwen3.qwen3_config_from_hf(qwen3.load_hf_config(hf))
         ids = torch.randint(0, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
         ref = convert.hf_logits(hf, ids)
         logits = {}
         for tp, pp in ((2, 1), (1, 2), (1, 1)):
             logits[tp, pp], model = _layout_logits(arch, tp2_ckpt, tp, pp, ids)
+            if (tp, pp) in ((2, 1), (1, 2)):  # a live model's HF export (the trainers')
+                d = hf_io.export_model_to_hf([model], arch, out / f"live_{tp}{pp}_{int(tie)}",
+                                             tokenizer_dir=hf)
+                returned, original = _hf_tensors(d), _hf_tensors(hf)
+                res["live", tp, pp, tie] = (set(returned) == set(original) and all(
+                    torch.equal(returned[n], original[n]) for n in original),
+                    len(list(d.glob("*.safetensors"))), (d / "tokenizer.json").is_file())
             if (tp, pp) == (2, 1):  # weight-sync export: full tensors on every TP rank
                 exported = hf_bridge.hf_state_dict_from_megatron([model], arch)
                 original = _hf_tensors(hf)
                 res["export_tp2", tie, rank] = sorted(
                     n for n in original if n not in exported or not torch.equal(exported[n],
                                                                                 original[n]))
+                # megatron's own writer at TP2 (chunks split over ranks), converted back by
+                # both ranks (shards split between them)
+                state.save_checkpoint(out / f"saved_tp2_{int(tie)}", 1, [model],
+                                      hf_config=arch.hf_config)
+                back = convert.convert_megatron_to_hf(out / f"saved_tp2_{int(tie)}",
+                                                      out / f"back_tp2_{int(tie)}",
+                                                      hf_config_dir=hf, max_shard_bytes=100_000)
+                returned = _hf_tensors(back)
+                res["back_tp2", tie] = (set(returned) == set(original) and all(
+                    torch.equal(returned[n], original[n]) for n in original),
+                    len(list(back.glob("*.safetensors"))))
             if (tp, pp) == (1, 2):  # PP: each stage exports its own layers, global indices
                 res["export_pp2", tie, rank] = sorted(
                     n for n, _ in hf_bridge.export_hf_weights([model], arch))
@@ -176,10 +235,24 @@ def test_tp2_and_pp2_logits_match_transformers(double, layout, tie):
 
 
 @pytest.mark.parametrize("tie", TIES)
-def test_checkpoint_converted_at_tp2_loads_at_pp2_and_tp1(double, tie):
-    assert double["tp2_meta", tie] == 2
+def test_checkpoint_converted_by_two_ranks_loads_at_tp2_pp2_and_tp1(double, tie):
+    assert double["split", tie] == (2, ["0", "1"])  # both ranks wrote their share
     assert double["layouts", tie] < TOL
     assert double["layout_spread", tie] < 1e-5
+
+
+@pytest.mark.parametrize("tie", TIES)
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_live_model_export_is_bitwise(double, tie, layout):
+    same, shards, tokenizer = double["live", *layout, tie]
+    assert same and tokenizer
+    assert shards == layout[1]  # one shard per pipeline stage
+
+
+@pytest.mark.parametrize("tie", TIES)
+def test_tp2_training_checkpoint_converts_back_bitwise_on_two_ranks(double, tie):
+    same, shards = double["back_tp2", tie]
+    assert same and shards > 2
 
 
 @pytest.mark.parametrize("tie", TIES)
@@ -230,7 +303,8 @@ def test_clis_convert_both_ways_and_gate_on_parity(hf_dirs, tmp_path):
     # Negative control: the reference is a different model -> exit 1.
     r = _cli("compare_logits.py", "--hf-dir", other, "--megatron-dir", mg, "--tp", "2", nproc=2)
     assert r.returncode == 1 and "FAIL" in r.stdout, r.stdout + r.stderr
-    r = _cli("convert_megatron_to_hf.py", "--load", mg, "--out-dir", back, "--hf-config", hf)
+    r = _cli("convert_megatron_to_hf.py", "--load", mg, "--out-dir", back, "--hf-config", hf,
+             "--max-shard-size-gb", "0.0001", nproc=2)
     assert r.returncode == 0, r.stderr
     original, returned = _hf_tensors(Path(hf)), _hf_tensors(Path(back))
     assert set(original) == set(returned)
@@ -267,6 +341,7 @@ BAD_INPUTS = {
     "tp": (lambda d: None, {"tp": 3}, ConversionError, "--tp 3.*num_attention_heads"),
     "pp": (lambda d: None, {"pp": 4}, ConversionError, "--pp 4.*num_hidden_layers"),
     "dtype": (lambda d: None, {"dtype": "int8"}, ConversionError, "--dtype 'int8'"),
+    "threads": (lambda d: None, {"threads": 0}, ConversionError, "--threads 0"),
 }
 
 
@@ -284,3 +359,27 @@ def test_existing_out_dir_needs_overwrite(hf_dirs, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(ConversionError, match="--out-dir .* already exists; pass --overwrite"):
         convert_hf_to_megatron(hf_dirs[False], tmp_path / "out")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, at any depth (function-local imports too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_engine_does_not_import_the_converter():
+    """train/engine.py takes the HF reader and export from checkpoint/hf_io.py, so it is not
+    in an import circle with the converter (which uses the engine's parallel setup)."""
+    engine = _imported_modules(REPO / "megatron_klear" / "train" / "engine.py")
+    assert "megatron_klear.checkpoint.convert" not in engine
+    assert "megatron_klear.checkpoint.hf_io" in engine
+    assert "megatron_klear.train.engine" in _imported_modules(
+        REPO / "megatron_klear" / "checkpoint" / "convert.py")  # the other half of the circle

@@ -1,13 +1,19 @@
 """Hugging Face <-> Megatron conversion and the logit parity check behind the tools/ CLIs.
 
-* :func:`convert_hf_to_megatron` reads safetensors shards one at a time (memory-mapped,
-  closed before the next) into the Megatron model of this rank's TP/PP shard and writes
-  iteration 0 of a training checkpoint (model only) with
-  :func:`~megatron_klear.checkpoint.state.save_checkpoint`; ``torch_dist`` makes it
-  loadable at any TP/PP layout, and ``--load`` of a trainer starts from it.
-* :func:`convert_megatron_to_hf` loads a checkpoint at TP1/PP1 (dist_checkpointing
-  reshards) and streams :func:`~megatron_klear.checkpoint.hf_bridge.export_hf_weights`
-  into size-bounded safetensors shards plus ``model.safetensors.index.json``.
+Both converters stream: no model is materialised. A meta-device GPTModel supplies
+megatron-core's checkpoint layout, :mod:`~megatron_klear.checkpoint.hf_bridge` the mapping,
+and tensors go from file to file one at a time (see ``docs/conversion.md``):
+
+* :func:`convert_hf_to_megatron` reads each HF tensor when torch.distributed.checkpoint
+  writes the Megatron parameter made from it, into iteration 0 of a ``torch_dist``
+  training checkpoint (model only) that loads at any TP/PP layout; ``--load`` of a
+  trainer starts from it.
+* :func:`convert_megatron_to_hf` plans the safetensors shards from config.json, then fills
+  each shard parameter by parameter from the checkpoint (saved at any TP/PP layout).
+* Under ``torchrun --nproc-per-node N`` the work splits N ways (checkpoint chunks by rank,
+  HF shards by rank); each process also writes ``threads`` files concurrently.
+* ``dtype="auto"`` keeps the source's dtype (config ``torch_dtype``/``dtype``, else the
+  tensors' own; the checkpoint's ``params_dtype`` the other way).
 * :func:`compare_logits` runs transformers' Qwen3 (fp32, eager) and the Megatron model
   at a TP/PP layout on the same token ids and returns the max absolute logit difference.
 
@@ -19,28 +25,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_klear.checkpoint import hf_bridge
+from megatron_klear.checkpoint import hf_bridge, torch_dist_io
+from megatron_klear.checkpoint.hf_io import (ConversionError, SafetensorsReader, ShardPlan,
+                                             ShardWriter, checkpoint_dtype,
+                                             copy_tokenizer_files, export_model_to_hf,
+                                             plan_shards, publish_dir, tmp_dir, write_index)
 from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint, read_meta,
                                              save_checkpoint)
 from megatron_klear.models import qwen3
 
-__all__ = ["ConversionError", "DTYPES", "convert_hf_to_megatron", "convert_megatron_to_hf",
-           "compare_logits", "megatron_logits", "build_model", "init_parallel",
-           "SafetensorsReader", "export_model_to_hf"]
+__all__ = ["ConversionError", "DTYPES", "DTYPE_CHOICES", "convert_hf_to_megatron",
+           "convert_megatron_to_hf", "compare_logits", "megatron_logits", "hf_logits",
+           "build_model", "init_parallel", "SafetensorsReader", "export_model_to_hf"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-
-
-class ConversionError(ValueError):
-    """Bad converter input; the message names the flag, file or tensor and the fix."""
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 # ---------------------------------------------------------------- shared setup
@@ -48,21 +54,36 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def init_parallel(tp: int, pp: int, seed: int = 1234) -> None:
-    """torch.distributed (on a free port when not under torchrun) + megatron parallel state."""
+def _init_dist() -> None:
+    """torch.distributed on a free port when not under torchrun (one process)."""
     import socket
-
-    from megatron_klear.train.engine import initialize_parallel
 
     if not dist.is_initialized() and "MASTER_PORT" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def init_parallel(tp: int, pp: int, seed: int = 1234) -> None:
+    """torch.distributed (on a free port when not under torchrun) + megatron parallel state
+    with exactly ``tp * pp`` processes."""
+    from megatron_klear.train.engine import initialize_parallel
+
+    _init_dist()
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if world != tp * pp:
         raise ConversionError(f"--tp {tp} x --pp {pp} needs {tp * pp} processes, got {world}; "
                               f"launch with torchrun --nproc-per-node {tp * pp}")
     initialize_parallel(tp, pp, seed)
+
+
+def _init_conversion() -> None:
+    """Conversions work at the TP1/PP1 layout with any number of processes (they split
+    the files, not the model)."""
+    from megatron_klear.train.engine import initialize_parallel
+
+    _init_dist()
+    initialize_parallel(1, 1)
 
 
 def build_model(arch: qwen3.Qwen3Arch, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -89,18 +110,14 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
                               "it or choose another directory")
 
 
-def _tmp_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.tmp"
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPE_CHOICES:
+        raise ConversionError(f"--dtype {dtype!r}: choose one of {list(DTYPE_CHOICES)}")
 
 
-def _publish_dir(tmp: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` by the finished ``tmp`` (rename; the old one goes only after)."""
-    old = out_dir.parent / f".{out_dir.name}.old"
-    if out_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+def _check_threads(threads: int) -> None:
+    if threads < 1:
+        raise ConversionError(f"--threads {threads}: must be >= 1")
 
 
 def _progress(total: int, desc: str) -> tqdm:
@@ -108,66 +125,18 @@ def _progress(total: int, desc: str) -> tqdm:
 
 
 # ---------------------------------------------------------------- HF -> Megatron
-class SafetensorsReader:
-    """The tensors of an HF model directory (any shard count), read lazily.
-
-    Only headers are read up front. :meth:`shards` opens one shard at a time (memory-mapped)
-    and closes it before the next, so reading never maps more than one shard.
-    """
-
-    def __init__(self, hf_dir: str | Path) -> None:
-        from safetensors import safe_open
-
-        hf_dir = Path(hf_dir)
-        self._files = sorted(hf_dir.glob("*.safetensors"))
-        if not self._files:
-            raise ConversionError(f"--hf-dir {hf_dir}: no *.safetensors files (only safetensors "
-                                  "checkpoints are supported; re-save with safe_serialization)")
-        self._where: dict[str, Path] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        for f in self._files:
-            with safe_open(str(f), framework="pt") as h:
-                for name in h.keys():
-                    self._where[name] = f
-                    self._shapes[name] = tuple(h.get_slice(name).get_shape())
-
-    def names(self) -> list[str]:
-        """All tensor names across shards."""
-        return list(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape from its shard header."""
-        return self._shapes[name]
-
-    def shards(self) -> Iterator[tuple[set[str], Callable[[str], torch.Tensor]]]:
-        """(names, getter) per shard; each shard is closed when the next is requested."""
-        from safetensors import safe_open
-
-        for f in self._files:
-            with safe_open(str(f), framework="pt") as h:
-                yield set(h.keys()), h.get_tensor
-
-    def __call__(self, name: str) -> torch.Tensor:
-        """One tensor by name (opens its shard for this read only)."""
-        from safetensors import safe_open
-
-        if name not in self._where:
-            raise KeyError(name)
-        with safe_open(str(self._where[name]), framework="pt") as h:
-            return h.get_tensor(name)
-
-
 def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
-                           dtype: str = "bf16", overwrite: bool = False) -> Path:
+                           dtype: str = "auto", overwrite: bool = False,
+                           threads: int = 1) -> Path:
     """Convert an HF Qwen3 directory into a Megatron ``torch_dist`` checkpoint (iteration 0).
 
-    One process converts at TP1/PP1 after checking that ``tp``/``pp`` split the model (the
-    result loads at any layout); under torchrun with ``tp * pp`` ranks each rank converts
-    only its shard. Collective; returns ``out_dir``.
+    Checks that ``tp``/``pp`` split the model; the result loads at any layout. Collective
+    over all ranks (any number: each writes its share, ``threads`` files at a time; one
+    thread keeps peak memory at one tensor per process); returns ``out_dir``.
     """
     out_dir = Path(out_dir)
-    if dtype not in DTYPES:
-        raise ConversionError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    _check_dtype(dtype)
+    _check_threads(threads)
     hf_config = qwen3.load_hf_config(hf_dir)
     arch = qwen3.qwen3_config_from_hf(hf_config)
     _check_layout(arch, tp, pp)
@@ -176,19 +145,23 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     hf_bridge.check_hf_names(reader.names(), arch)
     for name in reader.names():
         hf_bridge.check_hf_shape(name, reader.shape(name), arch)
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    run_tp, run_pp = (tp, pp) if world > 1 else (1, 1)
-    init_parallel(run_tp, run_pp)
-    model = build_model(arch, DTYPES[dtype])
-    with _progress(sum(1 for _ in model.parameters()), "hf->megatron") as bar:
-        hf_bridge.load_hf_weights_from_shards([model], arch, reader.shards(),
-                                              on_param=lambda: bar.update(1))
-    tmp = _tmp_dir(out_dir)
+    params_dtype = checkpoint_dtype(hf_config, reader) if dtype == "auto" else DTYPES[dtype]
+    _init_conversion()
+    model = torch_dist_io.meta_model(arch, params_dtype)
+    slots = torch_dist_io.param_slots(model, arch)
+    with _progress(len(slots), "hf->megatron") as bar:
+        def build(slot: torch_dist_io.ParamSlot) -> list[torch.Tensor]:
+            full = [reader(n).to(params_dtype) for n in slot.hf]
+            bar.update(1)
+            return hf_bridge.split_parts_for_rank(slot.rule.kind, full, arch, 1, 0)
+
+        tmp = tmp_dir(out_dir)
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        save_checkpoint(tmp, 0, [model], hf_config=hf_config,
+                        sharded_strategy=torch_dist_io.StreamingSaveStrategy(slots, build, threads))
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    save_checkpoint(tmp, 0, [model], hf_config=hf_config)
-    if _rank() == 0:
-        _publish_dir(tmp, out_dir)
+        publish_dir(tmp, out_dir)
     dist.barrier()
     return out_dir
 
@@ -196,14 +169,18 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
 # ---------------------------------------------------------------- Megatron -> HF
 def convert_megatron_to_hf(load_dir: str | Path, out_dir: str | Path, *,
                            hf_config_dir: str | Path | None = None, overwrite: bool = False,
-                           max_shard_bytes: int = 5 * 2**30) -> Path:
+                           max_shard_bytes: int = 5 * 2**30, dtype: str = "auto",
+                           threads: int = 1) -> Path:
     """Write sharded safetensors + index + config.json (+ tokenizer files) from a checkpoint.
 
-    Runs in ONE process (dist_checkpointing reshards any saved layout to TP1/PP1).
-    ``hf_config_dir`` supplies config.json and tokenizer files; without it the HF config
-    stored in the checkpoint's meta is used.
+    Any saved TP/PP layout; collective over all ranks (any number: shard k is written by
+    rank k mod N, ``threads`` shards at a time per rank; one thread keeps peak memory at
+    one parameter per process). ``hf_config_dir`` supplies config.json and tokenizer
+    files; without it the HF config stored in the checkpoint's meta is used.
     """
     out_dir = Path(out_dir)
+    _check_dtype(dtype)
+    _check_threads(threads)
     _check_out_dir(out_dir, overwrite)
     path = find_latest_checkpoint(load_dir)
     if path is None:
@@ -216,107 +193,65 @@ def convert_megatron_to_hf(load_dir: str | Path, out_dir: str | Path, *,
         raise ConversionError(f"--load {path}: the checkpoint stores no HF config; pass "
                               "--hf-config DIR with the model's config.json")
     arch = qwen3.qwen3_config_from_hf(hf_config)
-    init_parallel(1, 1)
-    dtype = getattr(torch, meta["params_dtype"])
-    model = build_model(arch, dtype)
-    load_checkpoint(path, [model], load_rng=False)
-    tmp = _tmp_dir(out_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if hf_config_dir is not None:
-        _copy_tokenizer_files(Path(hf_config_dir), tmp)
-    names = hf_bridge.hf_tensor_names(arch)
-    with _progress(len(names), "megatron->hf") as bar:
-        _write_shards(_ticking(hf_bridge.export_hf_weights([model], arch), bar), tmp,
-                      max_shard_bytes)
-    config = dict(hf_config, torch_dtype=meta["params_dtype"])
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _publish_dir(tmp, out_dir)
-    return out_dir
-
-
-def export_model_to_hf(model_chunks: list[torch.nn.Module], arch: qwen3.Qwen3Arch,
-                       out_dir: str | Path, *, tokenizer_dir: str | Path | None = None) -> Path:
-    """Write a live model (any TP/PP, called by every rank) as a Hugging Face checkpoint.
-
-    Each pipeline stage writes its own safetensors shard (from its TP rank 0 of DP rank 0);
-    rank 0 writes the index, config.json and tokenizer files, then publishes atomically.
-    """
-    from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    tmp = _tmp_dir(out_dir)
+    out_dtype = getattr(torch, meta["params_dtype"]) if dtype == "auto" else DTYPES[dtype]
+    _init_conversion()
+    sources = _hf_sources(torch_dist_io.param_slots(torch_dist_io.meta_model(arch, out_dtype),
+                                                    arch), arch)
+    plans = plan_shards(((n, out_dtype, hf_bridge.hf_shape(n, arch)) for n in sources),
+                        max_shard_bytes)
+    tmp = tmp_dir(out_dir)
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    tensors = {n: t.contiguous() for n, t in hf_bridge.export_hf_weights(model_chunks, arch)}
-    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    fname = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
-    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    if writer:
-        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-    listing: list = [None] * dist.get_world_size()
-    dist.all_gather_object(listing, (fname, sorted(tensors), sum(
-        t.numel() * t.element_size() for t in tensors.values())) if writer else None)
+    reader = torch_dist_io.TorchDistReader(path)
+    mine = plans[_rank()::dist.get_world_size()]
+    with _progress(len(plans), "megatron->hf") as bar, ThreadPoolExecutor(threads) as pool:
+        for _ in pool.map(lambda p: _write_hf_shard(tmp, p, sources, reader, arch), mine):
+            bar.update(dist.get_world_size())
+    dist.barrier()
     if _rank() == 0:
-        entries = [e for e in listing if e is not None]
-        index = {"metadata": {"total_size": sum(e[2] for e in entries)},
-                 "weight_map": dict(sorted((n, f) for f, names, _ in entries for n in names))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        if tokenizer_dir is not None:
-            _copy_tokenizer_files(Path(tokenizer_dir), tmp)
-        (tmp / "config.json").write_text(json.dumps(arch.hf_config, indent=2))
-        _publish_dir(tmp, out_dir)
+        write_index(tmp, plans)
+        if hf_config_dir is not None:
+            copy_tokenizer_files(Path(hf_config_dir), tmp)
+        name = str(out_dtype).replace("torch.", "")
+        config = dict(hf_config, torch_dtype=name, **({"dtype": name} if "dtype" in hf_config
+                                                       else {}))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        publish_dir(tmp, out_dir)
     dist.barrier()
     return out_dir
 
 
-def _ticking(items: Iterator, bar: tqdm) -> Iterator:
-    for item in items:
-        bar.update(1)
-        yield item
+def _hf_sources(slots: list[torch_dist_io.ParamSlot], arch: qwen3.Qwen3Arch
+                ) -> dict[str, torch_dist_io.ParamSlot]:
+    """HF tensor name -> the parameter slot it is exported from (HF tying convention), in
+    layer-major order (a parameter's HF tensors are adjacent, so they share a shard)."""
+    sources: dict[str, torch_dist_io.ParamSlot] = {}
+    for slot in slots:
+        if slot.rule.megatron[0] == "output_layer.weight" and arch.tie_word_embeddings:
+            continue
+        for n in slot.hf:
+            sources.setdefault(n, slot)
+    missing = set(hf_bridge.hf_tensor_names(arch)) - set(sources)
+    if missing:
+        raise ConversionError(f"no Megatron parameter exports {sorted(missing)[0]!r}")
+    return sources
 
 
-def _copy_tokenizer_files(src: Path, dst: Path) -> None:
-    for f in src.iterdir():
-        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_FILES):
-            shutil.copy2(f, dst / f.name)
-
-
-def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path,
-                  max_shard_bytes: int) -> None:
-    """Stream tensors into ``model-0000k-of-0000n.safetensors`` shards of bounded size."""
-    from safetensors.torch import save_file
-
-    shards: list[list[str]] = []
-    pending: dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        save_file(pending, str(out / f"part-{len(shards):05d}.safetensors"),
-                  metadata={"format": "pt"})
-        shards.append(list(pending))
-        pending.clear()
-
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if pending and size + nbytes > max_shard_bytes:
-            flush()
-            size = 0
-        pending[name] = t
-        size += nbytes
-        total += nbytes
-    if pending or not shards:
-        flush()
-    weight_map = {}
-    for k, names in enumerate(shards):
-        final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(out / f"part-{k:05d}.safetensors", out / final)
-        weight_map.update({n: final for n in names})
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+def _write_hf_shard(out: Path, plan: ShardPlan, sources: dict[str, torch_dist_io.ParamSlot],
+                    reader: torch_dist_io.TorchDistReader, arch: qwen3.Qwen3Arch) -> None:
+    """Fill one planned safetensors shard, one Megatron parameter at a time."""
+    wanted = {n: d for n, d, _ in plan.tensors}
+    slots = list({id(sources[n]): sources[n] for n in wanted}.values())
+    shard = ShardWriter(out / plan.file, plan)
+    for slot in slots:
+        full = reader.read(slot.key, slot.prefix)
+        for n, t in zip(slot.hf, hf_bridge.merge_shards(slot.rule.kind, [full], arch)):
+            if n in wanted:
+                shard.write(n, t.to(wanted[n]))
+        del full
+    shard.close()
 
 
 # ---------------------------------------------------------------- parity

@@ -1,7 +1,9 @@
 """The one mapping between Hugging Face Qwen3 tensors and megatron-core parameters.
 
-Every consumer (HF -> Megatron loading, Megatron -> HF export for the converters, weight
-sync to SGLang) goes through the :data:`RULES` table below, so a fix lands everywhere.
+Every consumer (HF -> Megatron loading into a live model, export of a live model and
+weight sync to SGLang, and the streaming converters, which walk a meta-device model with
+:func:`param_rules`) goes through the :data:`RULES` table below, so a fix (or a new kind,
+e.g. MoE experts) lands everywhere.
 
 A rule names the HF tensor(s), the megatron-core parameter names in the local spec and in
 the Transformer Engine spec (where the input/pre-MLP RMSNorms are fused into
@@ -23,16 +25,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
 from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
 
 __all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
-           "load_hf_weights_from_shards", "export_hf_weights",
-           "hf_state_dict_from_megatron", "split_for_rank", "merge_shards",
-           "unwrap_model", "check_hf_names", "check_hf_shape", "hf_shape"]
+           "export_hf_weights", "hf_state_dict_from_megatron", "split_for_rank",
+           "split_parts_for_rank", "merge_shards",
+           "unwrap_model", "param_rules", "check_hf_names", "check_hf_shape", "hf_shape"]
 
 HfTensors = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
 
@@ -107,6 +109,22 @@ def _qkv_groups(arch: Qwen3Arch) -> tuple[int, int, int]:
 def split_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int,
                    rank: int) -> torch.Tensor:
     """This TP rank's shard of the Megatron parameter built from full HF tensors."""
+    return _cat(split_parts_for_rank(kind, full, arch, tp, rank))
+
+
+def split_parts_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int,
+                         rank: int) -> list[torch.Tensor]:
+    """:func:`split_for_rank` as the tensors whose concatenation on dim 0 is the shard
+    (``gate_up``: [gate shard, up shard]; one tensor for other kinds). A streaming writer
+    that saves gate and up as separate checkpoint chunks then needs no concatenation."""
+    if kind == "gate_up":
+        gate, up = full
+        return [gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]]
+    return [_split_whole(kind, full, arch, tp, rank)]
+
+
+def _split_whole(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int,
+                 rank: int) -> torch.Tensor:
     if kind == "replicated":
         return full[0]
     if kind == "row":
@@ -124,9 +142,6 @@ def split_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int
                              k.reshape(groups, head_dim, hidden),
                              v.reshape(groups, head_dim, hidden)], dim=1)
         return stacked.reshape(-1, hidden).chunk(tp, dim=0)[rank]
-    if kind == "gate_up":
-        gate, up = full
-        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
@@ -180,9 +195,13 @@ def _global_layer(model: torch.nn.Module, local: int) -> int:
     return model.decoder.layers[local].layer_number - 1
 
 
-def _params(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
+def param_rules(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
             ) -> Iterator[tuple[str, torch.nn.Parameter, Rule, list[str]]]:
-    """(megatron name, parameter, rule, HF names) for every parameter of these chunks."""
+    """(megatron name, parameter, rule, HF names) for every parameter of these chunks.
+
+    The one walk over the :data:`RULES` table: loading, export, weight sync and the
+    streaming converters (which walk a model on the meta device) all start here.
+    """
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         for name, param in model.named_parameters():
@@ -243,41 +262,8 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch,
         check_hf_names(list(hf_tensors.keys()), arch)
     get = _getter(hf_tensors)
     tp, rank, _ = _tp()
-    for _, param, rule, hf in _params(model_chunks, arch):
+    for _, param, rule, hf in param_rules(model_chunks, arch):
         _fill(param, rule, hf, [get(n) for n in hf], arch, tp, rank)
-
-
-@torch.no_grad()
-def load_hf_weights_from_shards(model_chunks: list[torch.nn.Module], arch: Qwen3Arch,
-                                shards: Iterable[tuple[set[str], Callable[[str], torch.Tensor]]],
-                                on_param: Callable[[], None] | None = None) -> None:
-    """:func:`load_hf_weights` reading one checkpoint shard at a time.
-
-    ``shards`` yields ``(names in the shard, getter)``; a shard may be closed as soon as the
-    next one is requested. Each parameter is filled once all its HF inputs were seen; inputs
-    whose partners live in a later shard are kept until then (at most about one layer when
-    shards are layer-ordered, as Hugging Face writes them).
-    """
-    tp, rank, _ = _tp()
-    pending = list(_params(model_chunks, arch))
-    kept: dict[str, torch.Tensor] = {}
-    for names, get in shards:
-        waiting = []
-        for item in pending:
-            _, param, rule, hf = item
-            if not all(n in names or n in kept for n in hf):
-                waiting.append(item)
-                continue
-            _fill(param, rule, hf, [kept[n] if n in kept else get(n) for n in hf], arch, tp, rank)
-            if on_param:
-                on_param()
-        still_needed = {n for *_, hf in waiting for n in hf}
-        kept = {n: t for n, t in kept.items() if n in still_needed}
-        kept.update({n: get(n).clone() for n in still_needed & names if n not in kept})
-        pending = waiting
-    if pending:
-        missing = next(n for n in pending[0][3] if n not in kept)
-        raise BridgeError(f"missing tensor {missing!r} in the Hugging Face checkpoint")
 
 
 def _fill(param: torch.nn.Parameter, rule: Rule, hf: list[str], full: list[torch.Tensor],
@@ -338,7 +324,7 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch, *,
     into its own buffers, so it skips the extra copy).
     """
     tp, _, group = _tp()
-    for _, param, rule, hf in _params(model_chunks, arch):
+    for _, param, rule, hf in param_rules(model_chunks, arch):
         if rule.megatron[0] == "output_layer.weight" and arch.tie_word_embeddings:
             continue
         merged = merge_shards(rule.kind, _gather_tp(param.detach(), tp, group), arch)

@@ -165,12 +165,15 @@ def _set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------- save
 def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[torch.nn.Module], *,
                     optimizer=None, scheduler=None, extra: dict | None = None,
-                    hf_config: dict | None = None, keep_last: int | None = None) -> Path:
+                    hf_config: dict | None = None, keep_last: int | None = None,
+                    sharded_strategy=None) -> Path:
     """Save model (+ optimizer, scheduler, extra, per-rank RNG) as ``iter_XXXXXXX``.
 
     Collective over all ranks. Writes into a temp dir next to the final one, fsyncs,
     renames, then updates the ``latest`` marker; keeps the newest ``keep_last`` checkpoints
     when given. The previous checkpoints stay intact if this save dies midway.
+    ``sharded_strategy`` replaces megatron's default ``torch_dist`` writer (the converters
+    pass one that produces the tensors of a meta-device model while writing).
     """
     from megatron.core import dist_checkpointing
 
@@ -192,7 +195,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
         state["opt_param_scheduler"] = scheduler.state_dict()
     state["extra"] = dict(extra or {})
     contents += [k for k in ("optimizer", "opt_param_scheduler") if k in state]
-    dist_checkpointing.save(state, str(tmp))
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     _barrier()

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 from megatron_klear.rewards.text import last_boxed
 
 ANSWER_FORMATS = ("gsm8k", "boxed")
+PROMPT_TEMPLATES = ("chat", "raw")
+# "raw": the message contents as they are (blank line between messages), no role markup and
+# no generation prompt -- base-model ("zero") RL and evaluation on plain-text prompts.
+RAW_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}"
+                "{% if not loop.last %}{{ '\\n\\n' }}{% endif %}{% endfor %}")
 _META_KEYS = ("id", "idx", "task_id", "data_source", "source")
 
 
@@ -175,9 +182,56 @@ def load_prompt_dataset(path: str | os.PathLike, *, prompt_key: str = "prompt",
     return samples
 
 
+def set_prompt_template(tokenizer: Any, prompt_template: str | None = None,
+                        chat_template: str | os.PathLike | None = None) -> str:
+    """Choose how :func:`render_prompt` renders prompts with ``tokenizer``; returns the mode.
+
+    ``chat_template`` (a Jinja file, ``--chat-template``) replaces the tokenizer's template.
+    ``prompt_template`` (``--prompt-template``): ``chat`` renders through the chat template
+    and fails with :class:`DataError` naming the flags when there is none; ``raw`` renders
+    the message contents as plain text (installed as the tokenizer's template, so every
+    caller of :func:`render_prompt` agrees); None picks ``chat`` when the tokenizer has a
+    template, else ``raw`` with a one-line notice on stderr (rank 0).
+    """
+    if prompt_template not in (None, *PROMPT_TEMPLATES):
+        raise DataError(f"--prompt-template {prompt_template!r}: choose one of {PROMPT_TEMPLATES}")
+    if chat_template is not None:
+        if prompt_template == "raw":
+            raise DataError("--chat-template is used only with --prompt-template chat; drop one "
+                            "of the two flags")
+        path = Path(chat_template)
+        if not path.is_file():
+            raise DataError(f"--chat-template {path}: no such file (a Jinja chat template)")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if prompt_template is None:
+        prompt_template = "chat" if has_template else "raw"
+        if not has_template and os.environ.get("RANK", "0") == "0":
+            print("notice: the tokenizer has no chat template, so prompts are rendered raw "
+                  "(--prompt-template raw); pass --chat-template FILE to use one",
+                  file=sys.stderr)
+    if prompt_template == "chat" and not has_template:
+        raise DataError("--prompt-template chat: the tokenizer has no chat template; pass "
+                        "--chat-template FILE or use --prompt-template raw")
+    if prompt_template == "raw":
+        tokenizer.chat_template = RAW_TEMPLATE
+    return prompt_template
+
+
+def load_tokenizer(path: str | os.PathLike, prompt_template: str | None = None,
+                   chat_template: str | os.PathLike | None = None) -> Any:
+    """The HF tokenizer of ``path`` with its prompt rendering chosen
+    (see :func:`set_prompt_template`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.fspath(path))
+    set_prompt_template(tokenizer, prompt_template, chat_template)
+    return tokenizer
+
+
 def render_prompt(tokenizer: Any, messages: list[dict]) -> str:
     """The prompt text the policy sees: the tokenizer's chat template with the generation
-    prompt appended."""
+    prompt appended (the raw template when :func:`set_prompt_template` chose ``raw``)."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-key", default="prompt")
     p.add_argument("--answer-key", default="answer")
     p.add_argument("--answer-format", default=None, help="e.g. gsm8k ('#### N' answers)")
+    p.add_argument("--prompt-template", choices=("chat", "raw"), default=None,
+                   help="chat (the tokenizer's chat template) or raw text; default chat when "
+                        "the tokenizer has a template, else raw")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file replacing the tokenizer's")
     p.add_argument("--k", type=int, default=4, help="samples per problem")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -71,14 +76,13 @@ def run(args: argparse.Namespace) -> dict:
                                 "(or --rejudge samples.jsonl)")
     if args.k < 1:
         raise ValueError("--k must be >= 1")
-    from transformers import AutoTokenizer
-
+    from megatron_klear.data.prompts import load_tokenizer
     from megatron_klear.rollout.client import RolloutClient, SamplingParams
     from megatron_klear.rollout.launcher import connect, launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = resolve_model(args.model, out)
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    tokenizer = load_tokenizer(hf_dir, args.prompt_template, args.chat_template)
     benches = [parse_benchmark(b, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                answer_format=args.answer_format) for b in args.benchmark]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -155,7 +155,7 @@ class Engine:
 
     def export_hf(self, out_dir: str, tokenizer_dir: str | None = None) -> None:
         """Write the model in Hugging Face format (collective; any TP/PP)."""
-        from megatron_klear.checkpoint.convert import export_model_to_hf
+        from megatron_klear.checkpoint.hf_io import export_model_to_hf
 
         self.gather_params()
         export_model_to_hf(self.model, self.arch, out_dir, tokenizer_dir=tokenizer_dir)
@@ -311,7 +311,7 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
     Returns the :class:`~megatron_klear.checkpoint.state.CheckpointInfo` of a resumed run,
     or None for a fresh start.
     """
-    from megatron_klear.checkpoint.convert import SafetensorsReader
+    from megatron_klear.checkpoint.hf_io import SafetensorsReader
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
     from megatron_klear.checkpoint.state import load_checkpoint
 

@@ -36,6 +36,10 @@ class RLConfig(TrainConfig):
 
     prompt_data: str | None = opt(None, "RL prompts: JSONL or Parquet")
     prompt_key: str = opt("prompt", "prompt field")
+    prompt_template: str | None = opt(None, "prompt rendering: chat (the tokenizer's chat "
+                                      "template) or raw text; default chat when the tokenizer "
+                                      "has a template, else raw", choices=("chat", "raw"))
+    chat_template: str | None = opt(None, "Jinja chat template file replacing the tokenizer's")
     answer_key: str = opt("answer", "label field (answer for math, tests for code)")
     answer_format: str | None = opt(None, "label extraction, e.g. gsm8k ('#### N')")
     reward: str = opt("math", "reward name (math, code) or import path pkg.mod:fn")
@@ -288,14 +292,12 @@ def rollout_servers(cfg: RLConfig):
 
 def train(cfg: RLConfig) -> list[dict]:
     """Run GPPO RL; returns this run's per-step metrics."""
-    from transformers import AutoTokenizer
-
-    from megatron_klear.data.prompts import load_prompt_dataset
+    from megatron_klear.data.prompts import load_prompt_dataset, load_tokenizer
     from megatron_klear.rollout.client import RolloutClient, SamplingParams
     from megatron_klear.rollout.weight_sync import WeightSync
 
     arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template)
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
     engine = build_engine(cfg, arch)

@@ -1,0 +1,319 @@
+"""Hugging Face checkpoint files: read and write safetensors without holding a model.
+
+The trainer (``train/engine.py``) and the converters (``checkpoint/convert.py``) both use
+this module; it imports neither of them.
+
+* :class:`SafetensorsReader` reads one tensor at a time with ``os.pread`` into a tensor
+  that owns its memory (no memory map stays open, so reading never pins a shard's pages).
+* :func:`plan_shards` + :class:`ShardWriter` write safetensors shards whose headers are
+  known before any data exists: each tensor is written at its final offset as soon as it
+  is produced, so writing holds one tensor, and shards can be written concurrently.
+* :func:`export_model_to_hf` writes a live model (any TP/PP) as an HF directory.
+
+Every directory is written under ``.<name>.tmp`` next to the target and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ConversionError", "SafetensorsReader", "ShardPlan", "ShardWriter", "plan_shards",
+           "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir", "fsync_path",
+           "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype"]
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+DTYPE_CODES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_CODES = {v: k for k, v in DTYPE_CODES.items()}
+_MAX_IO = 1 << 30  # bytes per pread/pwrite call (Linux caps one call at ~2 GiB)
+
+
+class ConversionError(ValueError):
+    """Bad converter input; the message names the flag, file or tensor and the fix."""
+
+
+# ---------------------------------------------------------------- directories
+def tmp_dir(out_dir: Path) -> Path:
+    """The temp dir a result is built in before :func:`publish_dir` renames it."""
+    return out_dir.parent / f".{out_dir.name}.tmp"
+
+
+def publish_dir(tmp: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by the finished ``tmp`` (rename; the old one goes only after)."""
+    old = out_dir.parent / f".{out_dir.name}.old"
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """Copy everything of an HF dir except config.json and weight files (tokenizer etc.)."""
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, dst / f.name)
+
+
+# ---------------------------------------------------------------- reading
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def _read_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConversionError(f"{path}: truncated safetensors file (no header)")
+        (size,) = struct.unpack("<Q", head)
+        try:
+            return {"__size__": size, **json.loads(f.read(size))}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConversionError(f"{path}: corrupt safetensors header ({exc})") from exc
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A memoryview over a contiguous tensor's bytes (unlike ``.numpy()`` this leaves its
+    storage resizable, so a streaming writer can free it once written)."""
+    if t.nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:done + _MAX_IO]], offset + done)
+        if n <= 0:
+            raise ConversionError(f"unexpected end of file at byte {offset + done}")
+        done += n
+
+
+class SafetensorsReader:
+    """The tensors of an HF model directory (any shard count), read one tensor at a time.
+
+    Only headers are read up front. Each read returns a fresh tensor that owns its memory,
+    read with ``os.pread`` (thread-safe; the GIL is released during the read).
+    """
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        hf_dir = Path(hf_dir)
+        self.files = sorted(hf_dir.glob("*.safetensors"))
+        if not self.files:
+            raise ConversionError(f"--hf-dir {hf_dir}: no *.safetensors files (only safetensors "
+                                  "checkpoints are supported; re-save with safe_serialization)")
+        self._entries: dict[str, _Entry] = {}
+        for f in self.files:
+            header = _read_header(f)
+            base = 8 + header.pop("__size__")
+            header.pop("__metadata__", None)
+            for name, info in header.items():
+                if info["dtype"] not in DTYPE_CODES:
+                    raise ConversionError(f"{f}: tensor {name!r} has unsupported dtype "
+                                          f"{info['dtype']}")
+                start, end = info["data_offsets"]
+                self._entries[name] = _Entry(f, DTYPE_CODES[info["dtype"]], tuple(info["shape"]),
+                                             base + start, end - start)
+
+    def names(self) -> list[str]:
+        """All tensor names across shards (file order)."""
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from its shard header."""
+        return self._entries[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        """A tensor's dtype from its shard header."""
+        return self._entries[name].dtype
+
+    def __call__(self, name: str) -> torch.Tensor:
+        """One tensor by name, in a fresh buffer; ``KeyError`` for an unknown name."""
+        e = self._entries[name]
+        out = torch.empty(e.nbytes, dtype=torch.uint8)
+        fd = os.open(e.file, os.O_RDONLY)
+        try:
+            _pread_into(fd, _bytes_of(out), e.offset)
+        finally:
+            os.close(fd)
+        return out.view(e.dtype).reshape(e.shape)
+
+
+def checkpoint_dtype(hf_config: dict, reader: SafetensorsReader) -> torch.dtype:
+    """The dtype an HF checkpoint was saved in: config ``torch_dtype``/``dtype``, else the
+    dtype of its floating-point tensors."""
+    for key in ("torch_dtype", "dtype"):
+        value = hf_config.get(key)
+        if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+            return getattr(torch, value)
+    floats = {reader.dtype(n) for n in reader.names() if reader.dtype(n).is_floating_point}
+    if len(floats) != 1:
+        raise ConversionError("--dtype auto: config.json names no torch_dtype and the tensors "
+                              f"have dtypes {sorted(map(str, floats))}; pass --dtype explicitly")
+    return floats.pop()
+
+
+# ---------------------------------------------------------------- writing
+@dataclass
+class ShardPlan:
+    """One output safetensors file: its name and (tensor name, dtype, shape) in order."""
+
+    file: str
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(d, s) for _, d, s in self.tensors)
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = torch.tensor([], dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan_shards(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                max_shard_bytes: int) -> list[ShardPlan]:
+    """Split (name, dtype, shape) into consecutive shards of at most ``max_shard_bytes``
+    (a bigger tensor gets a shard of its own), named ``model-0000k-of-0000n.safetensors``."""
+    groups: list[list] = [[]]
+    size = 0
+    for name, dtype, shape in tensors:
+        nbytes = _nbytes(dtype, shape)
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, dtype, tuple(shape)))
+        size += nbytes
+    return [ShardPlan(f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors", g)
+            for k, g in enumerate(groups)]
+
+
+class ShardWriter:
+    """Write one planned safetensors shard: the header first, each tensor at its offset.
+
+    :meth:`write` may be called in any order; :meth:`close` checks that every planned tensor
+    was written, fsyncs and closes.
+    """
+
+    def __init__(self, path: Path, plan: ShardPlan) -> None:
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        self._where: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        for name, dtype, shape in plan.tensors:
+            nbytes = _nbytes(dtype, shape)
+            header[name] = {"dtype": _CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._where[name] = (offset, dtype, shape)
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        self._base = 8 + len(raw)
+        self._path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+        self._pending = set(self._where)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` (dtype and shape as planned) at its place in the file."""
+        offset, dtype, shape = self._where[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: planned {dtype} {shape}, got {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")
+        tensor = tensor.contiguous()
+        data = _bytes_of(tensor)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:done + _MAX_IO], self._base + offset + done)
+        self._pending.discard(name)
+
+    def close(self) -> None:
+        """fsync and close; raise if a planned tensor was never written."""
+        try:
+            if self._pending:
+                raise ValueError(f"{self._path}: tensors never written: {sorted(self._pending)[:3]}")
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+
+def write_index(out: Path, plans: list[ShardPlan]) -> None:
+    """``model.safetensors.index.json`` for the planned shards."""
+    weight_map = {name: p.file for p in plans for name, _, _ in p.tensors}
+    index = {"metadata": {"total_size": sum(p.nbytes for p in plans)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# ---------------------------------------------------------------- live model export
+def export_model_to_hf(model_chunks: list[torch.nn.Module], arch, out_dir: str | Path, *,
+                       tokenizer_dir: str | Path | None = None) -> Path:
+    """Write a live model (any TP/PP, called by every rank) as a Hugging Face checkpoint.
+
+    Each pipeline stage writes its own safetensors shard (from its TP rank 0 of DP rank 0);
+    rank 0 writes the index, config.json and tokenizer files, then publishes atomically.
+    ``arch`` is the model's :class:`~megatron_klear.models.qwen3.Qwen3Arch`.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_klear.checkpoint import hf_bridge
+
+    out_dir = Path(out_dir)
+    tmp = tmp_dir(out_dir)
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    fname = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    tensors = hf_bridge.export_hf_weights(model_chunks, arch, copy=False)
+    plan = None
+    if writer:  # every TP rank iterates the (collective) export; one writes
+        held = [(n, t.contiguous()) for n, t in tensors]
+        plan = ShardPlan(fname, [(n, t.dtype, tuple(t.shape)) for n, t in held])
+        shard = ShardWriter(tmp / fname, plan)
+        for n, t in held:
+            shard.write(n, t)
+        shard.close()
+    else:
+        for _ in tensors:
+            pass
+    listing: list = [None] * dist.get_world_size()
+    dist.all_gather_object(listing, plan)
+    if rank == 0:
+        write_index(tmp, [p for p in listing if p is not None])
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(Path(tokenizer_dir), tmp)
+        (tmp / "config.json").write_text(json.dumps(arch.hf_config, indent=2))
+        publish_dir(tmp, out_dir)
+    dist.barrier()
+    return out_dir
