@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -30,6 +31,9 @@ from typing import Any
 import aiohttp
 
 __all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError", "sample_seed"]
+
+
+log = logging.getLogger("megatron_klear.rollout.client")
 
 
 class RolloutError(RuntimeError):
@@ -198,12 +202,16 @@ class RolloutClient:
                     server.failures, 8)
                 if attempt == self.max_retries:
                     break
+                log.warning("retrying POST %s after a failure on %s: %s", path, server.url,
+                            server.last_error)
                 await asyncio.sleep(self.backoff_s * 2 ** attempt)
             finally:
                 server.outstanding -= 1
         status = "; ".join(f"{s.url}: {s.last_error or 'ok'}" for s in self.servers)
         raise RolloutError(f"POST {path} failed after {self.max_retries + 1} attempts on all "
-                           f"servers [{status}]")
+                           f"servers [{status}]; no rollout server could serve it: restart the "
+                           "servers and rerun the same command (the run resumes from its last "
+                           "checkpoint)")
 
     def set_active(self, urls: list[str]) -> None:
         """Send generations only to ``urls`` (e.g. the servers that hold the current weights)."""

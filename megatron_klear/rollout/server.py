@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from aiohttp import web
 
+from megatron_klear.orphans import exit_when_orphaned
 from megatron_klear.rollout.generator import Generator, Sequence
 from megatron_klear.rollout.sampling import RequestError, SamplingConfig
 from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, parse_dtype
@@ -457,6 +458,7 @@ async def _serve(args: argparse.Namespace, generator: Generator) -> None:
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point: ``python -m megatron_klear.rollout.server --model DIR --port P``."""
     args = _parse_args(argv)
+    exit_when_orphaned()  # also when the launcher's parent-death signal cannot fire
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(max(1, args.num_threads))
     asyncio.run(_serve(args, _load_generator(args)))

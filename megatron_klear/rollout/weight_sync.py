@@ -13,9 +13,10 @@ buckets of ``bucket_bytes``; per bucket one POST ``/update_weights_from_distribu
 broadcast over the weight-update group. ``load_format="flattened_bucket"`` (default) sends the
 tensors' bytes back to back in one uint8 buffer, largest element size first so every tensor
 starts at an offset aligned to its dtype (SGLang's ``FlattenedTensorBucket`` refuses others);
-``load_format=None`` broadcasts each tensor as is. Pipelining: bucket k+1 is exported, packed
-and its request POSTed while bucket k is on the wire (servers handle requests first in, first
-out, and the broadcasts follow the same order). Only data-parallel replica 0 exports.
+``load_format=None`` broadcasts each tensor as is. Pipelining: bucket k+1 is exported and
+packed while bucket k is on the wire; its request is POSTed once every server answered bucket
+k (one request in flight: concurrent requests may reach a server in either order). Only
+data-parallel replica 0 exports.
 
 Group formation (sglang/srt/model_executor/model_runner_components/weight_updater.py): SGLang
 server i joins as ``rank_offset_i + tp_rank``; its TP size is read from ``GET /server_info``,
@@ -50,6 +51,7 @@ from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, open_u
                                                  routable_address)
 
 __all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "flatten_bucket", "aligned_order",
+           "rank_layout",
            "trainer_sequence_logprobs", "PROBE_METRIC"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
@@ -144,7 +146,7 @@ class WeightSync:
         self.group: UpdateGroup | None = None
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
         self._sender = concurrent.futures.ThreadPoolExecutor(1)  # bucket k on the wire ...
-        self._http = concurrent.futures.ThreadPoolExecutor(2)  # ... request k+1 already sent
+        self._http = concurrent.futures.ThreadPoolExecutor(1)  # ... while its request waits
 
     @property
     def client(self) -> RolloutClient:
@@ -206,11 +208,11 @@ class WeightSync:
                                       "sync supports servers with pp_size 1 (use --tp-size)")
             tps.append(int(info.get("tp_size", 1)))
         port = self.master_port or _free_port(self.master_addr)
-        world = 1 + sum(tps)
+        offsets, world = rank_layout(tps)
         payloads = {url: {"master_address": self.master_addr, "master_port": port,
-                          "rank_offset": 1 + sum(tps[:i]), "world_size": world,
+                          "rank_offset": offset, "world_size": world,
                           "group_name": self.group_name, "backend": self.backend}
-                    for i, url in enumerate(self.members)}
+                    for url, offset in zip(self.members, offsets)}
         replies = self._http.submit(self._post_each, "/init_weights_update_group", payloads)
         try:
             self.group = open_update_group(self.master_addr, port, 0, world, self.group_name,
@@ -309,7 +311,7 @@ class WeightSync:
     def _send_stage(self, weight_version: str) -> int:
         """Stream this stage's tensors (all TP ranks iterate; the source sends). Bytes sent.
 
-        Pipelined: bucket k+1 is exported, packed and requested while bucket k is on the wire.
+        Pipelined: bucket k+1 is exported and packed while bucket k is on the wire.
         """
         if not self.replica0:
             return 0
@@ -322,11 +324,9 @@ class WeightSync:
         try:
             for i, bucket in enumerate(iter_buckets(named, self.bucket_bytes)):
                 payload, tensors = self._pack(bucket, weight_version, slot=i % 2)
-                reply = self._http.submit(self.client.post_all,
-                                          "/update_weights_from_distributed", payload)
                 if inflight is not None:
                     sent += inflight.result()
-                inflight = self._sender.submit(self._transfer, reply, tensors)
+                inflight = self._sender.submit(self._transfer, payload, tensors)
             return sent + (inflight.result() if inflight is not None else 0)
         except WeightSyncError:
             raise
@@ -363,8 +363,14 @@ class WeightSync:
             self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return payload, [flatten_bucket(bucket, out=self._buffers[slot][:nbytes])]
 
-    def _transfer(self, reply: concurrent.futures.Future, tensors: list[torch.Tensor]) -> int:
-        """Broadcast a bucket whose request is on its way, then await every server's reply."""
+    def _transfer(self, payload: dict, tensors: list[torch.Tensor]) -> int:
+        """POST the bucket's request, broadcast its tensors, await every server's reply.
+
+        One request in flight at a time: servers may take concurrent requests in either
+        order, and a server in the wrong bucket's broadcast deadlocks the group.
+        """
+        reply = self._http.submit(self.client.post_all, "/update_weights_from_distributed",
+                                  payload)
         for t in tensors:
             self.group.broadcast(t if t.device == self.device else t.to(self.device))
         self._check(reply.result(), "/update_weights_from_distributed")
@@ -400,6 +406,13 @@ class WeightSync:
         for url, reply in replies.items():
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise WeightSyncError(f"{url}{path} failed: {reply.get('message')}")
+
+
+def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """Rank offsets and world size of the update group: the trainer is rank 0, server i's TP
+    ranks are ``offset_i + tp_rank`` with ``offset_i = 1 + sum(tp_j, j < i)``."""
+    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+    return offsets, 1 + sum(tp_sizes)
 
 
 def aligned_order(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
