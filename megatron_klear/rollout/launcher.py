@@ -24,14 +24,27 @@ from megatron_klear.orphans import die_with_parent
 
 __all__ = ["RolloutServers", "LaunchError", "launch_embedded_servers", "launch_sglang_servers",
            "sglang_server_command", "router_command", "connect", "free_port", "wait_healthy",
-           "SGLANG_CPU_ARGS", "SGLANG_CPU_ENV", "server_env"]
+           "SGLANG_CPU_ARGS", "sglang_cpu_env", "server_env"]
 
 # Real SGLang 0.5.23 on a CPU (the .venv-sglang of tools/setup_sglang_cpu.sh): the engine flags
 # and environment that serve a tiny Qwen3 there (tests/interop/, quickstart --sglang).
 SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
                    "--disable-cuda-graph", "--disable-overlap-schedule",
                    "--max-total-tokens", "8192"]
-SGLANG_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def sglang_cpu_env(tp: int = 1) -> dict[str, str]:
+    """The environment of a CPU SGLang server: the CPU engine, and for ``tp`` > 1 one core set
+    per TP rank (SGLang otherwise allows at most one rank per NUMA node,
+    sglang/srt/utils/numa_utils.py)."""
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if tp > 1:
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // tp)
+        sets = [cores[(r * per) % len(cores):(r * per) % len(cores) + per] for r in range(tp)]
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in sets)
+    return env
 
 # Set by torchrun for its workers; a server started from a trainer rank must not inherit them
 # (with TORCHELASTIC_USE_AGENT_STORE=True, SGLang's own TP rendezvous would dial the agent).
@@ -209,7 +222,7 @@ def launch_sglang_servers(model_dir: str | Path, num_servers: int, *, tp: int = 
     ``urls`` are the servers' URLs (weight updates go to each server directly); with
     ``router=True`` the router runs too and ``router_url`` is where to send generations.
     ``python`` runs SGLang from another environment (its own check); ``env`` adds variables,
-    e.g. ``SGLANG_CPU_ENV`` with ``extra_args=SGLANG_CPU_ARGS`` on a CPU.
+    e.g. ``sglang_cpu_env(tp)`` with ``extra_args=SGLANG_CPU_ARGS`` on a CPU.
     """
     if python is None:
         _require_module("sglang", "'sglang[all]>=0.5'")

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_klear.rollout.launcher import (SGLANG_CPU_ARGS, SGLANG_CPU_ENV, LaunchError,
-                                             launch_sglang_servers)
+from megatron_klear.rollout.launcher import (SGLANG_CPU_ARGS, LaunchError,
+                                             launch_sglang_servers, sglang_cpu_env)
 from tests.rollout_helpers import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 STARTUP_S = 600.0
+# fp32 like the trainer's reference (SGLang's --dtype auto serves an fp32 checkpoint in bf16)
+MODEL_ARGS = ["--dtype", "float32"]
 
 
 def _ensure_venv() -> None:
@@ -44,7 +46,8 @@ def start_sglang(model_dir: Path, num_servers: int, log_dir: Path, tp: int = 1):
     try:
         return launch_sglang_servers(model_dir, num_servers, tp=tp, log_dir=log_dir,
                                      startup_timeout_s=STARTUP_S, python=str(SGLANG_PYTHON),
-                                     env=SGLANG_CPU_ENV, extra_args=SGLANG_CPU_ARGS)
+                                     env=sglang_cpu_env(tp),
+                                     extra_args=SGLANG_CPU_ARGS + MODEL_ARGS)
     except LaunchError as exc:
         logs = "\n".join(p.read_text()[-3000:] for p in sorted(Path(log_dir).glob("*.log")))
         raise AssertionError(f"{exc}\n{logs}") from exc
