@@ -104,7 +104,7 @@ def main() -> None:
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--dry-run", action="store_true", help="validate both trainer configs, then stop")
     p.add_argument("--sglang", action="store_true",
-                   help="roll out on a real SGLang server (.venv-sglang) instead of the embedded one")
+                   help="roll out on a real SGLang server (.venv-sglang), not the embedded one")
     args = p.parse_args()
     out = Path(args.out)
     if args.dry_run:

@@ -191,14 +191,20 @@ class WeightSync:
             return
         self.group.close()
         self.group = None
-        alive = [u for u, ok in RolloutClient(self.members).health().items() if ok]
-        for url in alive:  # best effort: a server that fails here fails the next init loudly
+        self._destroy_on_servers([u for u, ok in RolloutClient(self.members).health().items()
+                                  if ok])
+
+    def _destroy_on_servers(self, urls: list[str]) -> None:
+        """Best effort: drop this stage's group name on ``urls`` (a server that fails here
+        fails the next init loudly; one without the group answers 400, ignored)."""
+        for url in urls:
             with contextlib.suppress(RolloutError):
                 RolloutClient([url], request_timeout_s=self.timeout_s).post_all(
                     "/destroy_weights_update_group", {"group_name": self.group_name})
 
     def _join(self) -> None:
         """Source rank: host this stage's group; every member joins with its TP ranks."""
+        self._destroy_on_servers(self.members)  # left by an earlier run against these servers
         infos = self.client.server_info()
         tps = []
         for url in self.members:

@@ -28,8 +28,7 @@ def declare() -> None:
         return
     _LIB = torch.library.Library("torchvision", "FRAGMENT")
     for name, schema in _SCHEMAS.items():
-        if not torch._C._dispatch_has_kernel(f"torchvision::{name}") and \
-                torch._C._jit_get_schemas_for_operator(f"torchvision::{name}") == []:
+        if not torch._C._jit_get_schemas_for_operator(f"torchvision::{name}"):  # not yet declared
             _LIB.define(schema)
 
 
