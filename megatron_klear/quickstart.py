@@ -1,6 +1,9 @@
 """The CPU quickstart: tiny Qwen3 -> SFT -> eval -> GPPO RL (TP=2, gloo) -> eval -> report.
 
-  python -m megatron_klear.quickstart --out runs/quickstart
+  python -m megatron_klear.quickstart --out runs/quickstart [--sglang]
+
+``--sglang``: RL rolls out on a real SGLang 0.5.23 server (from .venv-sglang, built by
+tools/setup_sglang_cpu.sh) instead of the embedded server.
 
 Everything is built locally (model, tokenizer, data); each stage runs the real CLI
 (torchrun klear-sft / klear-rl, klear-eval) as a separate process.
@@ -9,6 +12,7 @@ Everything is built locally (model, tokenizer, data); each stage runs the real C
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -63,6 +67,23 @@ def rl_args(out: Path, args: argparse.Namespace) -> list[str]:
             "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"]
 
 
+@contextlib.contextmanager
+def _sglang_server(model: Path, log_dir: Path):
+    """One real SGLang server on 127.0.0.1 serving ``model`` (fp32, CPU engine): its URL."""
+    from megatron_klear.rollout.launcher import (SGLANG_CPU_ARGS, launch_sglang_servers,
+                                                 sglang_cpu_env)
+
+    python = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
+    if not python.is_file():
+        sys.exit(f"quickstart --sglang: {python} is missing; run "
+                 "`bash tools/setup_sglang_cpu.sh` first")
+    print(f"starting SGLang ({python}) for {model}, log: {log_dir}/server_0.log", flush=True)
+    with launch_sglang_servers(model, 1, python=str(python), env=sglang_cpu_env(1),
+                               extra_args=SGLANG_CPU_ARGS + ["--dtype", "float32"],
+                               log_dir=log_dir, startup_timeout_s=900) as servers:
+        yield servers.urls[0]
+
+
 def _run_dry(module: str, argv: list[str]) -> None:
     env = dict(os.environ, WORLD_SIZE="2", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", module, *argv, "--dry-run"], env=env,
@@ -82,6 +103,8 @@ def main() -> None:
     p.add_argument("--rl-lr", type=float, default=2e-4)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--dry-run", action="store_true", help="validate both trainer configs, then stop")
+    p.add_argument("--sglang", action="store_true",
+                   help="roll out on a real SGLang server (.venv-sglang), not the embedded one")
     args = p.parse_args()
     out = Path(args.out)
     if args.dry_run:
@@ -97,14 +120,20 @@ def main() -> None:
     data = write_arithmetic_data(out / "data", seed=args.seed)
     _run(_torchrun(2, "megatron_klear.train.sft", sft_args(out, args)), out / "logs" / "sft.log")
     before = _eval(out / "sft_hf", data["eval"], out / "eval_before", args.eval_k, args.seed)
-    _run(_torchrun(2, "megatron_klear.train.rl", rl_args(out, args)), out / "logs" / "rl.log")
+    if args.sglang:
+        with _sglang_server(out / "sft_hf", out / "logs" / "sglang") as url:
+            _run(_torchrun(2, "megatron_klear.train.rl", rl_args(out, args) + [
+                "--rollout-urls", url]), out / "logs" / "rl.log")
+    else:
+        _run(_torchrun(2, "megatron_klear.train.rl", rl_args(out, args)), out / "logs" / "rl.log")
     after = _eval(out / "rl_hf", data["eval"], out / "eval_after", args.eval_k, args.seed)
     from megatron_klear.train.plot import plot_metrics
 
     png = plot_metrics(out / "rl_ckpt" / "metrics.jsonl", out / "rl_dashboard.png")
     summary = {"accuracy_before_rl": before, "accuracy_after_rl": after, "gain": after - before,
                "eval": f"avg@{args.eval_k} at temperature 1.0 on {data['eval']}",
-               "dashboard": str(png), "seconds": round(time.time() - t0, 1)}
+               "dashboard": str(png), "seconds": round(time.time() - t0, 1),
+               "rollout": "sglang" if args.sglang else "embedded"}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\naccuracy (avg@{args.eval_k}, T=1.0): before RL {before:.3f} -> after RL {after:.3f} "
           f"(gain {after - before:+.3f})\ndashboard: {png}\nsummary: {out / 'summary.json'} "

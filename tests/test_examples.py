@@ -68,6 +68,9 @@ def test_launch_sglang_dry_run_prints_servers():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert proc.stdout.count("sglang.launch_server") == 4 and "http://10.0.0.5:30003" in proc.stdout
+    # SGLang's flag is --tp-size; --tp works only as an argparse prefix of it
+    assert proc.stdout.count("--tp-size 2") == 4 and " --tp " not in proc.stdout
+    assert " --tp " not in (ROOT / "examples" / "single_node_8gpu" / "run_rl.sh").read_text()
 
 
 def test_quickstart_dry_run(tmp_path):

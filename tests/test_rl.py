@@ -233,7 +233,8 @@ def _rl_train(rank, world, argv):
                                      "--weight-sync-format", "per_tensor"]], ids=["tp2", "pp2"])
 def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
     args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, "--eval-data", str(prompts),
-                    "--eval-interval", "2", "--eval-k", "2")
+                    "--eval-interval", "2", "--eval-k", "2",
+                    "--max-sampling-rounds", "8")  # refilling 4 groups must not hinge on luck
     hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
     assert len(hist) == 3
     assert "eval/avg@2" not in hist[0] and hist[1]["eval/problems"] == 12  # periodic eval

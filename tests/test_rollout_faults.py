@@ -6,6 +6,7 @@ servers that must not outlive their parent.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,11 +16,13 @@ import threading
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 from megatron_klear.rollout.client import RolloutClient, RolloutError, SamplingParams
 from megatron_klear.rollout.launcher import (LaunchError, free_port, launch_embedded_servers,
                                              launch_sglang_servers, sglang_server_command)
+from megatron_klear.train.metrics import read_metrics
 from tests.rollout_helpers import make_tiny_model
 
 
@@ -128,3 +131,114 @@ def test_sglang_command_line():
 def test_sglang_missing_is_a_clear_error(tmp_path):
     with pytest.raises(LaunchError, match="pip install 'sglang"):
         launch_sglang_servers(tmp_path, 1)
+
+
+# ---------------------------------------------------------------- klear-rl with embedded servers
+@pytest.fixture(scope="module")
+def rl_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rlp") / "prompts.jsonl"
+    rows = [{"prompt": f"Say something about {i}.", "answer": str(i)} for i in range(16)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rl_cmd(hf, data, save, iters: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_klear.train.rl", "--hf-checkpoint", str(hf),
+            "--prompt-data", str(data), "--save", str(save), "--rollout-batch-size", "4",
+            "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
+            "--rollout-max-response-len", "12", "--lr", "1e-3", "--no-dynamic-sampling",
+            "--train-iters", str(iters), "--seed", "3", "--no-progress-bar",
+            "--save-interval", "1", *extra]
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _wait_steps(proc: subprocess.Popen, metrics, steps: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not log {steps} step(s): {proc.poll()}")
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.NoSuchProcess:  # a short-lived child already gone
+        return ""
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _servers_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "megatron_klear.rollout.server" in _cmdline(p)]
+
+
+def _url_of(server: psutil.Process) -> str:
+    cmd = server.cmdline()
+    return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+
+
+def test_rl_loses_no_prompt_when_a_server_dies_mid_step(model_dir, rl_prompts, tmp_path):
+    """kill -9 an embedded server holding step 2's requests: they are retried on the other
+    server, the next sync skips the dead one, and every step trains on its full batch."""
+    save = tmp_path / "ck"
+    proc = _start(_rl_cmd(model_dir, rl_prompts, save, 3, "--rollout-num-servers", "2",
+                          "--reward", "tests.reward_plugins:parity_reward"))
+    _wait_steps(proc, save / "metrics.jsonl", 1)
+    victim = _servers_of(proc)[1]
+    url = _url_of(victim)
+    RolloutClient([url]).post_all("/pause_generation", {"mode": "in_place"})
+    time.sleep(2.0)
+    victim.kill()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "retrying POST /generate" in out and url in out, out[-3000:]
+    hist = read_metrics(save / "metrics.jsonl")
+    assert [m["data/consumed_prompts"] for m in hist] == [4, 8, 12]  # no prompt skipped
+    assert all(m["rollout/groups_kept"] == 4 for m in hist)  # every batch complete
+    assert all(m["weight_sync/probe_max_abs_diff"] < 1e-4 for m in hist)
+
+
+def test_no_server_left_fails_clearly_resumes_and_sigkill_leaves_no_orphans(
+        model_dir, rl_prompts, tmp_path):
+    """1) the only server dies: the step fails with a clear message; 2) the rerun resumes from
+    the checkpoint; SIGKILL it with its server and math-verifier workers running: none of its
+    processes outlives it; 3) the next rerun finishes every step exactly once."""
+    save, metrics = tmp_path / "ck", tmp_path / "ck" / "metrics.jsonl"
+    cmd = _rl_cmd(model_dir, rl_prompts, save, 3, "--reward", "math")
+    proc = _start(cmd)
+    _wait_steps(proc, metrics, 1)
+    _servers_of(proc)[0].kill()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "no rollout server could serve it" in out and "rerun" in out, out[-3000:]
+
+    proc = _start(cmd)
+    _wait_steps(proc, metrics, 2)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    kinds = [_cmdline(p) for p in family]
+    assert any("megatron_klear.rewards.math" in k for k in kinds), kinds  # verifier workers
+    assert any("megatron_klear.rollout.server" in k for k in kinds), kinds
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_running(p) for p in family):
+        time.sleep(0.2)
+    left = [(p.pid, _cmdline(p)[:80]) for p in family if _running(p)]
+    assert left == [], f"processes outlived the SIGKILLed trainer: {left}"
+
+    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    final = {m["step"]: m for m in read_metrics(metrics)}  # later records win (resumed ones)
+    assert sorted(final) == [1, 2, 3]
+    assert [final[s]["data/consumed_prompts"] for s in (1, 2, 3)] == [4, 8, 12]

@@ -183,19 +183,47 @@ def test_pause_in_place_holds_requests_until_continue(servers):
     assert done and len(done[0][0][0].output_ids) >= 1
 
 
-def test_pause_abort_finishes_in_flight_with_abort(servers):
-    c = RolloutClient(servers.urls[:1], request_timeout_s=60, max_retries=0)
+def test_pause_abort_replies_abort_and_client_retries(servers):
+    """An aborted request gets SGLang's finish_reason {"type": "abort"}; the client never
+    returns such a sample: it retries it and gets a real one after /continue_generation."""
+    url = servers.urls[0]
+    c = RolloutClient([url], request_timeout_s=60, max_retries=3, backoff_s=0.2)
     c.post_all("/pause_generation", {"mode": "in_place"})
+    raw: list = []
     done: list = []
-    worker = threading.Thread(target=lambda: done.append(
-        c.generate(["hi", "ho"], SamplingParams(max_new_tokens=4))))
-    worker.start()
+    workers = [threading.Thread(target=lambda: raw.append(_post(
+                   url, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}}))),
+               threading.Thread(target=lambda: done.append(
+                   c.generate(["ho"], SamplingParams(max_new_tokens=4))))]
+    for w in workers:
+        w.start()
     time.sleep(1.0)
-    c.post_all("/pause_generation", {"mode": "abort"})
-    worker.join(timeout=30)
+    paused = c.post_all("/pause_generation", {"mode": "abort"})[url]
+    assert paused == {"message": "Generation paused successfully.", "status": "ok"}
+    workers[0].join(timeout=30)
+    assert raw[0][1]["meta_info"]["finish_reason"]["type"] == "abort"
     c.post_all("/continue_generation", {})
-    assert [g[0].finish_reason for g in done[0]] == ["abort", "abort"]
-    assert c.generate(["hi"], SamplingParams(max_new_tokens=2))[0][0].finish_reason != "abort"
+    workers[1].join(timeout=60)
+    assert done and done[0][0][0].finish_reason in ("stop", "length")
+
+
+def test_seed_semantics_match_sglang(servers, client):
+    """As SGLang with --enable-deterministic-inference: a seeded request's n copies share the
+    seed and come out identical, and the sample depends on (seed, position) only, not on the
+    server; the client therefore sends each sample with its own seed: distinct, reproducible."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "n": 3,
+                                                         "sampling_seed": 5}}
+    code, outs = _post(servers.urls[0], "/generate", body)
+    assert code == 200 and len({tuple(o["output_ids"]) for o in outs}) == 1
+    body["sampling_params"]["n"] = 1
+    assert _post(servers.urls[1], "/generate", body)[1]["output_ids"] == outs[0]["output_ids"]
+    params = SamplingParams(max_new_tokens=8, n=3)
+    gens = client.generate([[5, 6, 7]], params, seeds=[5])[0]
+    assert len({tuple(g.output_ids) for g in gens}) == 3
+    assert [g.output_ids for g in client.generate([[5, 6, 7]], params, seeds=[5])[0]] == \
+        [g.output_ids for g in gens]
+    info = client.server_info()[servers.urls[0]]
+    assert info["tp_size"] == 1 and info["enable_deterministic_inference"] is True
 
 
 def test_generate_inside_running_event_loop(client):

@@ -16,7 +16,8 @@ import torch
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
 from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
 from megatron_klear.rollout.update_group import open_update_group
-from megatron_klear.rollout.weight_sync import flatten_bucket, iter_buckets
+from megatron_klear.rollout.weight_sync import (aligned_order, flatten_bucket, iter_buckets,
+                                                rank_layout)
 from tests.dist import run_distributed
 from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
 
@@ -154,6 +155,13 @@ def test_per_tensor_update_and_wrong_name(model_dir, tmp_path):
             group = open_update_group("127.0.0.1", port, 0, 2, "g", "gloo", 60)
             assert joined.result()[0] == 200
             assert _post(url, "/begin_weight_update", {})[0] == 200
+            code, body = _post(url, "/begin_weight_update", {})  # one session at a time
+            assert code == 400 and body["success"] is False and "already open" in body["message"]
+            code, body = _post(url, "/update_weights_from_distributed", {  # refused unjoined
+                "names": ["model.norm.weight", "lm_head.weight"], "dtypes": ["bfloat16",
+                                                                             "float32"],
+                "shapes": [[3], [4]], "group_name": "g", "load_format": "flattened_bucket"})
+            assert code == 400 and "Unaligned received tensor lm_head.weight" in str(body)
             for name, expect in [("model.norm.weight", 200), ("model.bogus.weight", 400)]:
                 reply = pool.submit(_post, url, "/update_weights_from_distributed", {
                     "names": [name], "dtypes": ["float32"], "shapes": [[new_norm.numel()]],
@@ -169,3 +177,88 @@ def test_per_tensor_update_and_wrong_name(model_dir, tmp_path):
         got = RolloutClient(servers.urls).prompt_logprobs(ids)[0]
         torch.testing.assert_close(torch.tensor(got), reference_logprobs(model, ids),
                                    atol=1e-4, rtol=0)
+
+
+def test_bucket_order_is_aligned_and_rank_layout_is_cumulative():
+    bucket = [("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(2)),
+              ("c", torch.zeros(1, dtype=torch.uint8)), ("d", torch.zeros(5, dtype=torch.float16)),
+              ("e", torch.zeros(1, dtype=torch.float64))]
+    ordered = aligned_order(bucket)
+    offset = 0
+    for _, t in ordered:  # SGLang's FlattenedTensorBucket rule: offset % itemsize == 0
+        assert offset % t.element_size() == 0, [n for n, _ in ordered]
+        offset += t.numel() * t.element_size()
+    assert [n for n, _ in ordered] == ["e", "b", "a", "d", "c"]  # stable within a dtype size
+    assert rank_layout([1]) == ([1], 2)
+    assert rank_layout([2, 1, 4]) == ([1, 3, 4], 8)  # no two servers' TP ranks collide
+
+
+def _faults(rank: int, world: int, model_dir: str, urls: list[str], log_dir: str):
+    """A sync failing halfway, then a server killed and restarted (world 1, one process)."""
+    import os
+    import signal
+
+    from megatron_klear.rollout.weight_sync import (WeightSync, WeightSyncError,
+                                                    trainer_sequence_logprobs)
+
+    model, arch = _build(model_dir, 1, 1, seed=7)
+
+    class FailingExport(WeightSync):
+        def _export(self):
+            for i, item in enumerate(super()._export()):
+                if i == 3:
+                    raise RuntimeError("export exploded")
+                yield item
+
+    out = {}
+    sync = FailingExport(urls, [model], arch, bucket_bytes=4 * 1024)
+    sync.connect()
+    try:
+        sync.sync("broken")
+    except WeightSyncError as exc:
+        out["error"] = str(exc)
+    out["paused_after_failure"] = _serving(urls)
+    out["begin_after_failure"] = [_post(u, "/begin_weight_update", {})[0] for u in urls]
+    out["end_after_failure"] = [_post(u, "/end_weight_update", {})[0] for u in urls]
+    sync.close()
+
+    sync = WeightSync(urls, [model], arch, bucket_bytes=4 * 1024)
+    sync.connect()
+    sync.sync("v1")
+    victim = int(os.environ["VICTIM_PGID"])
+    os.killpg(victim, signal.SIGKILL)
+    sync.sync("v2")  # the dead server left the group; the survivor still syncs
+    out["members_after_kill"] = list(sync.members)
+    port = int(urls[1].rsplit(":", 1)[1])
+    with launch_embedded_servers(model_dir, 1, base_port=port, log_dir=log_dir):
+        sync.sync("v3")  # the restarted server rejoins and receives the full weights
+        out["members_after_restart"] = list(sync.members)
+        lp = trainer_sequence_logprobs(model, arch, PROBE_IDS)
+        out["probe_after_restart"] = sync.probe(PROBE_IDS, lp)
+        out["versions"] = [RolloutClient([u]).get_all("/get_weight_version")[u]["weight_version"]
+                           for u in urls]
+        sync.close()
+    return out
+
+
+def _serving(urls: list[str]) -> bool:
+    """Every server answers a 1-token /generate within 20 s (none left paused)."""
+    client = RolloutClient(urls, request_timeout_s=20, max_retries=0)
+    return all(len(client.generate([[5, 6]], SamplingParams(max_new_tokens=1))[0]) == 1
+               for _ in urls)
+
+
+def test_sync_failure_resumes_servers_and_restarted_server_rejoins(model_dir, tmp_path,
+                                                                  monkeypatch):
+    with launch_embedded_servers(model_dir, 2, log_dir=tmp_path) as servers:
+        monkeypatch.setenv("VICTIM_PGID", str(servers.procs[1].pid))
+        got = run_distributed(_faults, 1, str(model_dir), servers.urls, str(tmp_path / "re"),
+                              timeout=300)[0]
+    assert "export exploded" in got["error"] and "rerun" in got["error"], got
+    assert got["paused_after_failure"] is True  # continue_generation ran in the finally
+    assert got["begin_after_failure"] == [200, 200]  # end_weight_update ran: no open session
+    assert got["end_after_failure"] == [200, 200]
+    assert got["members_after_kill"] == servers.urls[:1]
+    assert got["members_after_restart"] == servers.urls
+    assert got["probe_after_restart"] < SYNCED_TOL  # both servers hold the trainer's weights
+    assert got["versions"] == ["v3", "v3"]

@@ -13,7 +13,7 @@ PYTHON=${PYTHON:-python}
 for ((i = 0; i < GPUS_PER_NODE / SERVER_TP; i++)); do
   gpus=$(seq -s, $((i * SERVER_TP)) $(((i + 1) * SERVER_TP - 1)))
   cmd=(env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m sglang.launch_server --model-path "$MODEL"
-       --tp "$SERVER_TP" --host 0.0.0.0 --port $((BASE_PORT + i)) --mem-fraction-static 0.85
+       --tp-size "$SERVER_TP" --host 0.0.0.0 --port $((BASE_PORT + i)) --mem-fraction-static 0.85
        --context-length 40960)
   if [[ " $* " == *" --dry-run "* ]]; then echo "${cmd[*]}"; else "${cmd[@]}" & fi
   echo "http://$HOST:$((BASE_PORT + i))"

@@ -13,7 +13,7 @@ urls=""
 if [[ " $* " != *" --dry-run "* ]]; then
   for i in 0 1; do
     CUDA_VISIBLE_DEVICES=$((4 + 2 * i)),$((5 + 2 * i)) "$PYTHON" -m sglang.launch_server \
-      --model-path "$MODEL" --tp 2 --port $((30000 + i)) --mem-fraction-static 0.85 &
+      --model-path "$MODEL" --tp-size 2 --port $((30000 + i)) --mem-fraction-static 0.85 &
     urls="$urls http://127.0.0.1:$((30000 + i))"
   done
   trap 'kill $(jobs -p) 2>/dev/null' EXIT

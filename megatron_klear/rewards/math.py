@@ -83,6 +83,9 @@ def _serve() -> None:
     """Worker loop: one JSON [response, answer] per stdin line -> one score per stdout line."""
     import logging
 
+    from megatron_klear.orphans import exit_when_orphaned
+
+    exit_when_orphaned()  # a SIGKILLed trainer leaves no worker behind
     logging.disable(logging.CRITICAL)  # math-verify logs every parse failure
     limit = WORKER_MEMORY_MB << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

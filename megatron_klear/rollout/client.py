@@ -4,9 +4,17 @@ One client serves the trainer on GPU clusters (SGLang) and on CPU (the embedded 
 both speak the same API. Guarantees:
 
 * every prompt is answered or the call fails loudly -- a failed request (connection error,
-  timeout, HTTP 5xx) is retried with exponential backoff on the least-loaded server that is
-  not marked down; after ``max_retries`` retries a :class:`RolloutError` names every server
-  URL and its last error;
+  timeout, HTTP 5xx, or a sample the server aborted, ``finish_reason.type == "abort"``) is
+  retried with exponential backoff on the least-loaded server that is not marked down (a
+  server that keeps failing stays down longer); after ``max_retries`` retries a
+  :class:`RolloutError` names every server URL and its last error;
+* seeded sampling stays correct on SGLang: each of the n samples of a seeded prompt is its own
+  request (n=1) with its own seed (:func:`sample_seed`). SGLang gives the n copies of one
+  request the same ``sampling_seed``, and its seeded sampler depends only on (seed, position,
+  token) (``sglang/srt/layers/sampler.py``, ``multinomial_with_seed``), so n copies of one
+  seeded request come out identical. SGLang honours the seed only when the server runs with
+  ``--enable-deterministic-inference``; without it the samples are distinct but not
+  reproducible (docs/rollout.md);
 * a bad request (HTTP 4xx) is not retried: it is a bug, reported with the server's message;
 * at most ``max_concurrency`` requests are in flight.
 """
@@ -15,13 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
 
-__all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError"]
+__all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError", "sample_seed"]
+
+
+log = logging.getLogger("megatron_klear.rollout.client")
 
 
 class RolloutError(RuntimeError):
@@ -30,6 +42,15 @@ class RolloutError(RuntimeError):
 
 class _BadRequest(RolloutError):
     """HTTP 4xx: the request itself is wrong; retrying elsewhere would not help."""
+
+
+class _Aborted(RolloutError):
+    """The server aborted a sample (paused, shutting down): retried like a failed request."""
+
+
+def sample_seed(prompt_seed: int, j: int) -> int:
+    """The ``sampling_seed`` of sample ``j`` of a prompt seeded ``prompt_seed`` (< 2**31)."""
+    return (prompt_seed * 1_000_003 + 7919 * j + 1) % 2**31
 
 
 @dataclass
@@ -43,7 +64,7 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
-    sampling_seed: int | None = None  # SGLang's per-request seed: reproducible samples
+    sampling_seed: int | None = None  # the prompt's seed; sample j uses sample_seed(seed, j)
 
     def to_sglang(self) -> dict:
         """The ``sampling_params`` JSON object (unset stop lists omitted)."""
@@ -79,7 +100,17 @@ class _Server:
     url: str
     outstanding: int = 0
     down_until: float = 0.0
+    failures: int = 0  # consecutive failed requests: how long the server stays marked down
     last_error: str = ""
+
+
+def _not_aborted(reply: Any) -> None:
+    """Raise :class:`_Aborted` when any sample of a /generate reply was aborted."""
+    for out in reply if isinstance(reply, list) else [reply]:
+        reason = (out.get("meta_info") or {}).get("finish_reason") if isinstance(out, dict) \
+            else None
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            raise _Aborted(f"sample aborted by the server: {reason.get('message', '')}")
 
 
 class RolloutClient:
@@ -91,6 +122,7 @@ class RolloutClient:
         if not urls:
             raise ValueError("RolloutClient: urls is empty; pass at least one server URL")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.active: set[str] | None = None  # generation goes only here (None: everywhere)
         self.max_concurrency = max_concurrency
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
@@ -106,21 +138,30 @@ class RolloutClient:
                         seeds: list[int] | None = None) -> list[list[Generation]]:
         """n generations per prompt, in prompt order (token-id prompts go as input_ids).
 
-        ``seeds`` gives each prompt its own ``sampling_seed``, so its samples do not depend
-        on which server or batch serves it.
+        ``seeds`` gives each prompt its own seed, so its samples do not depend on which server
+        or batch serves them: sample j is its own request with ``sample_seed(seed, j)``.
+        Unseeded prompts go as one request with ``n`` (SGLang samples the copies independently).
         """
         sem = asyncio.Semaphore(self.max_concurrency)
         seeds = seeds if seeds is not None else [params.sampling_seed] * len(prompts)
+        base = {k: v for k, v in params.to_sglang().items() if k != "sampling_seed"}
         async with self._session() as session:
-            async def one(prompt, seed) -> list[Generation]:
+            async def request(prompt, sampling: dict) -> list[Generation]:
                 key = "text" if isinstance(prompt, str) else "input_ids"
-                sampling = {**params.to_sglang(), **({"sampling_seed": seed} if seed is not None
-                                                     else {})}
                 payload = {key: prompt, "sampling_params": sampling, "return_logprob": True}
                 async with sem:
-                    out = await self._post_balanced(session, "/generate", payload)
-                outs = out if isinstance(out, list) else [out]
-                return [Generation.from_sglang(o) for o in outs]
+                    out = await self._post_balanced(session, "/generate", payload,
+                                                    check=_not_aborted)
+                return [Generation.from_sglang(o) for o in (out if isinstance(out, list)
+                                                            else [out])]
+
+            async def one(prompt, seed) -> list[Generation]:
+                if seed is None:
+                    return await request(prompt, base)
+                own = [{**base, "n": 1, "sampling_seed": sample_seed(seed, j)}
+                       for j in range(params.n)]
+                parts = await asyncio.gather(*(request(prompt, sp) for sp in own))
+                return [g for part in parts for g in part]
 
             return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds))))
 
@@ -138,32 +179,57 @@ class RolloutClient:
                 for s in self.servers]
 
     async def _post_balanced(self, session: aiohttp.ClientSession, path: str,
-                             payload: dict) -> Any:
-        """POST to the least-loaded live server; retry failures on the others."""
+                             payload: dict, check=None) -> Any:
+        """POST to the least-loaded live server; retry failures on the others.
+
+        ``check(reply)`` raises :class:`RolloutError` for a reply that must be retried.
+        """
         for attempt in range(self.max_retries + 1):
             server = self._pick()
             server.outstanding += 1
             try:
-                return await self._request(session, "POST", server.url + path, payload)
+                reply = await self._request(session, "POST", server.url + path, payload)
+                if check is not None:
+                    check(reply)
+                server.failures = 0
+                return reply
             except _BadRequest:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, RolloutError, OSError) as exc:
                 server.last_error = f"{type(exc).__name__}: {exc}"
-                server.down_until = time.monotonic() + self.backoff_s * 2 ** (attempt + 1)
+                server.failures += 1
+                server.down_until = time.monotonic() + self.backoff_s * 2 ** min(
+                    server.failures, 8)
                 if attempt == self.max_retries:
                     break
+                log.warning("retrying POST %s after a failure on %s: %s", path, server.url,
+                            server.last_error)
                 await asyncio.sleep(self.backoff_s * 2 ** attempt)
             finally:
                 server.outstanding -= 1
         status = "; ".join(f"{s.url}: {s.last_error or 'ok'}" for s in self.servers)
         raise RolloutError(f"POST {path} failed after {self.max_retries + 1} attempts on all "
-                           f"servers [{status}]")
+                           f"servers [{status}]; no rollout server could serve it: restart the "
+                           "servers and rerun the same command (the run resumes from its last "
+                           "checkpoint)")
+
+    def set_active(self, urls: list[str]) -> None:
+        """Send generations only to ``urls`` (e.g. the servers that hold the current weights)."""
+        unknown = set(u.rstrip("/") for u in urls) - set(self.urls)
+        if unknown:
+            raise ValueError(f"set_active: {sorted(unknown)} not among {self.urls}")
+        self.active = {u.rstrip("/") for u in urls}
 
     def _pick(self) -> _Server:
         now = time.monotonic()
-        live = [s for s in self.servers if s.down_until <= now]
+        pool = [s for s in self.servers if self.active is None or s.url in self.active]
+        if not pool:
+            raise RolloutError(f"no rollout server left: none of {self.urls} holds the current "
+                               "weights (all failed); restart the servers and resume the run "
+                               "from its checkpoint")
+        live = [s for s in pool if s.down_until <= now]
         if not live:  # all marked down: try the one expected back first
-            return min(self.servers, key=lambda s: s.down_until)
+            return min(pool, key=lambda s: s.down_until)
         return min(live, key=lambda s: s.outstanding)
 
     async def _request(self, session: aiohttp.ClientSession, method: str, url: str,
@@ -181,6 +247,10 @@ class RolloutClient:
             return text
 
     # ------------------------------------------------------------------ admin
+    def server_info(self) -> dict[str, dict]:
+        """GET /server_info on every server: {url: SGLang's server info (tp_size, ...)}."""
+        return self.get_all("/server_info")
+
     def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
         """GET /health on every server: {url: healthy}."""
         async def check() -> dict[str, bool]:

@@ -33,7 +33,7 @@ class Sequence:
     input_logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: dict | None = None
-    generator: torch.Generator | None = None  # own RNG when the request set sampling_seed
+    seed: int | None = None  # sampling_seed (deterministic inference): draws from (seed, pos)
 
 
 class Generator:
@@ -132,8 +132,7 @@ class Generator:
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()
 
     def _step(self, seqs: list[Sequence], logprobs: torch.Tensor) -> None:
-        tokens = sample_next(logprobs, [s.cfg for s in seqs],
-                             [s.generator or self.generator for s in seqs])
+        tokens = sample_next(logprobs, [s.cfg for s in seqs], [self._rng(s) for s in seqs])
         for row, s in enumerate(seqs):
             if s.finish_reason is not None:
                 continue
@@ -141,6 +140,14 @@ class Generator:
             s.output_ids.append(tok)
             s.logprobs.append(float(logprobs[row, tok]))
             self._check_stop(s, tok)
+
+    def _rng(self, s: Sequence) -> torch.Generator:
+        """The server's stream, or for a seeded sequence one that depends only on (seed,
+        position), like SGLang's ``multinomial_with_seed`` (sglang/srt/layers/sampler.py)."""
+        if s.seed is None:
+            return self.generator
+        position = len(s.prompt_ids) + len(s.output_ids)
+        return torch.Generator().manual_seed((s.seed * 1_000_003 + position) % 2**63)
 
     def _check_stop(self, s: Sequence, tok: int) -> None:
         if (tok in self.eos_ids and not s.cfg.ignore_eos) or tok in s.cfg.stop_token_ids:
@@ -215,8 +222,7 @@ class Generator:
 
     def _receive_flat(self, group, specs: list[tuple[str, torch.dtype, tuple]],
                       load: bool) -> None:
-        sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-                 for _, dt, shape in specs]
+        sizes = [torch.Size(shape).numel() * dt.itemsize for _, dt, shape in specs]
         if self._recv_buf.numel() < sum(sizes):  # grow-only: reused pages are not re-faulted
             self._recv_buf = torch.empty(sum(sizes), dtype=torch.uint8)
         buf = self._recv_buf[:sum(sizes)]
@@ -227,7 +233,5 @@ class Generator:
         with self.lock:
             for (name, dtype, shape), size in zip(specs, sizes):
                 chunk = buf[offset:offset + size]
-                if offset % chunk.new_empty((), dtype=dtype).element_size():
-                    chunk = chunk.clone()  # view(dtype) needs an aligned offset
                 self.params[name].copy_(chunk.view(dtype).view(shape))
                 offset += size

@@ -8,7 +8,6 @@ the parent process dies abruptly (``PR_SET_PDEATHSIG``), so no server outlives t
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import signal
@@ -21,8 +20,46 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
+from megatron_klear.orphans import die_with_parent
+
 __all__ = ["RolloutServers", "LaunchError", "launch_embedded_servers", "launch_sglang_servers",
-           "sglang_server_command", "router_command", "connect", "free_port", "wait_healthy"]
+           "sglang_server_command", "router_command", "connect", "free_port", "wait_healthy",
+           "SGLANG_CPU_ARGS", "sglang_cpu_env", "server_env"]
+
+# Real SGLang 0.5.23 on a CPU (the .venv-sglang of tools/setup_sglang_cpu.sh): the engine flags
+# and environment that serve a tiny Qwen3 there (tests/interop/, quickstart --sglang).
+SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
+                   "--disable-cuda-graph", "--disable-overlap-schedule",
+                   "--max-total-tokens", "8192"]
+
+
+def sglang_cpu_env(tp: int = 1) -> dict[str, str]:
+    """The environment of a CPU SGLang server: the CPU engine, and for ``tp`` > 1 one core set
+    per TP rank (SGLang otherwise allows at most one rank per NUMA node,
+    sglang/srt/utils/numa_utils.py)."""
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if tp > 1:
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // tp)
+        sets = [cores[(r * per) % len(cores):(r * per) % len(cores) + per] for r in range(tp)]
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in sets)
+    return env
+
+# Set by torchrun for its workers; a server started from a trainer rank must not inherit them
+# (with TORCHELASTIC_USE_AGENT_STORE=True, SGLang's own TP rendezvous would dial the agent).
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                 "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def server_env(**overrides: str) -> dict[str, str]:
+    """This process's environment without torchrun's variables, plus ``overrides``."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env.update(overrides)
+    return env
 
 
 class LaunchError(RuntimeError):
@@ -34,13 +71,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: atexit and the context manager still stop the servers
-        pass
 
 
 class RolloutServers:
@@ -108,14 +138,14 @@ def _start(commands: list[list[str]], urls: list[str], log_dir: str | Path | Non
            startup_timeout_s: float, envs: list[dict] | None = None) -> RolloutServers:
     """Start each command in its own session (one per URL) and wait until all are healthy."""
     procs, logs, paths = [], [], []
-    for i, (cmd, env) in enumerate(zip(commands, envs or [None] * len(commands))):
+    for i, (cmd, env) in enumerate(zip(commands, envs or [server_env()] * len(commands))):
         path = None
         if log_dir is not None:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             path = str(Path(log_dir) / f"server_{i}.log")
         out = open(path, "w") if path else subprocess.DEVNULL  # noqa: SIM115 - closed on stop
         procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                      start_new_session=True, preexec_fn=_die_with_parent,
+                                      start_new_session=True, preexec_fn=die_with_parent,
                                       env=env))
         logs += [out] if path else []
         paths.append(path)
@@ -134,15 +164,19 @@ def launch_embedded_servers(model_dir: str | Path, num_servers: int = 1, *,
                             log_dir: str | Path | None = None, dtype: str = "float32",
                             load_format: str = "auto", num_threads: int = 1,
                             startup_timeout_s: float = 120.0) -> RolloutServers:
-    """Start ``num_servers`` embedded CPU servers (server i gets seed + i) and wait for /health."""
+    """Start ``num_servers`` embedded CPU servers (server i gets seed + i) and wait for /health.
+
+    They run with ``--enable-deterministic-inference``: seeded requests are reproducible.
+    """
     if not (Path(model_dir) / "config.json").is_file():
         raise LaunchError(f"--model {model_dir}: no config.json; pass an HF Qwen3 directory")
     ports = [base_port + i if base_port else free_port(host) for i in range(num_servers)]
     commands = [[sys.executable, "-m", "megatron_klear.rollout.server", "--model", str(model_dir),
                  "--host", host, "--port", str(port), "--seed", str(seed + i), "--dtype", dtype,
-                 "--load-format", load_format, "--num-threads", str(num_threads)]
+                 "--load-format", load_format, "--num-threads", str(num_threads),
+                 "--enable-deterministic-inference"]
                 for i, port in enumerate(ports)]
-    envs = [dict(os.environ, OMP_NUM_THREADS=str(num_threads))] * num_servers
+    envs = [server_env(OMP_NUM_THREADS=str(num_threads))] * num_servers
     return _start(commands, [f"http://{host}:{p}" for p in ports], log_dir, startup_timeout_s,
                   envs)
 
@@ -151,9 +185,11 @@ def sglang_server_command(model_dir: str | Path, port: int, *, host: str = "127.
                           tp: int = 1, mem_fraction: float = 0.8,
                           context_length: int | None = None, yarn_factor: float | None = None,
                           original_max_position_embeddings: int = 32768,
-                          extra_args: list[str] | None = None) -> list[str]:
-    """The ``python -m sglang.launch_server`` command line of one server."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
+                          extra_args: list[str] | None = None,
+                          python: str | None = None) -> list[str]:
+    """The ``python -m sglang.launch_server`` command line of one server (``python``: the
+    interpreter that has SGLang, e.g. .venv-sglang/bin/python; default this one)."""
+    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
            "--host", host, "--port", str(port), "--tp-size", str(tp),
            "--mem-fraction-static", str(mem_fraction), "--trust-remote-code"]
     if context_length is not None:
@@ -179,26 +215,30 @@ def launch_sglang_servers(model_dir: str | Path, num_servers: int, *, tp: int = 
                           yarn_factor: float | None = None, router: bool = False,
                           host: str = "127.0.0.1", base_port: int | None = None,
                           log_dir: str | Path | None = None, startup_timeout_s: float = 900.0,
-                          extra_args: list[str] | None = None) -> RolloutServers:
+                          extra_args: list[str] | None = None, python: str | None = None,
+                          env: dict[str, str] | None = None) -> RolloutServers:
     """Start SGLang servers (server i on GPUs [i*tp, (i+1)*tp)) and optionally the router.
 
     ``urls`` are the servers' URLs (weight updates go to each server directly); with
     ``router=True`` the router runs too and ``router_url`` is where to send generations.
+    ``python`` runs SGLang from another environment (its own check); ``env`` adds variables,
+    e.g. ``sglang_cpu_env(tp)`` with ``extra_args=SGLANG_CPU_ARGS`` on a CPU.
     """
-    _require_module("sglang", "'sglang[all]>=0.5'")
+    if python is None:
+        _require_module("sglang", "'sglang[all]>=0.5'")
     if router:
         _require_module("sglang_router", "sglang-router")
     ports = [base_port + i if base_port else free_port(host) for i in range(num_servers)]
     urls = [f"http://{host}:{p}" for p in ports]
     commands = [sglang_server_command(model_dir, p, host=host, tp=tp, mem_fraction=mem_fraction,
                                       context_length=context_length, yarn_factor=yarn_factor,
-                                      extra_args=extra_args) for p in ports]
-    envs = [dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i * tp + j) for j in range(tp)))
-            for i in range(num_servers)]
+                                      extra_args=extra_args, python=python) for p in ports]
+    envs = [server_env(CUDA_VISIBLE_DEVICES=",".join(str(i * tp + j) for j in range(tp)),
+                       **(env or {})) for i in range(num_servers)]
     if router:
         rport = free_port(host)
         commands.append(router_command(urls, rport, host=host))
-        envs.append(dict(os.environ))
+        envs.append(server_env())
         urls.append(f"http://{host}:{rport}")
     servers = _start(commands, urls, log_dir, startup_timeout_s, envs)
     servers.router_url = urls.pop() if router else None

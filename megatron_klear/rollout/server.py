@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from aiohttp import web
 
+from megatron_klear.orphans import exit_when_orphaned
 from megatron_klear.rollout.generator import Generator, Sequence
 from megatron_klear.rollout.sampling import RequestError, SamplingConfig
 from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, parse_dtype
@@ -77,8 +78,10 @@ class _Request:
 class RolloutServer:
     """State of one embedded server: generator, scheduler, pause flags, weight-update groups."""
 
-    def __init__(self, generator: Generator, *, max_batch_seqs: int = 64) -> None:
+    def __init__(self, generator: Generator, *, max_batch_seqs: int = 64,
+                 deterministic: bool = False) -> None:
         self.gen = generator
+        self.deterministic = deterministic
         self.max_batch_seqs = max_batch_seqs
         self.weight_version = "default"
         self.pending: list[_Request] = []
@@ -158,9 +161,13 @@ class RolloutServer:
                                f"length {len(prompt)} (-1: no input logprobs)")
         want_input = bool(body.get("return_logprob")) and start >= 0
         seqs = [Sequence(list(prompt), cfg, want_input) for _ in range(cfg.n)]
-        if cfg.sampling_seed is not None:  # sample j of the request: its own seeded stream
-            for j, s in enumerate(seqs):
-                s.generator = torch.Generator().manual_seed(cfg.sampling_seed * 7919 + j)
+        if cfg.sampling_seed is not None and self.deterministic:
+            # SGLang's seeded sampler (sglang/srt/layers/sampler.py, multinomial_with_seed)
+            # draws from (seed, position) only, and every copy of an n > 1 request carries the
+            # request's seed: the copies come out identical. Without
+            # --enable-deterministic-inference SGLang ignores the seed; so does this server.
+            for s in seqs:
+                s.seed = cfg.sampling_seed
         rid = body.get("rid") or uuid.uuid4().hex
         return _Request(str(rid), seqs, asyncio.get_running_loop().create_future(),
                         bool(body.get("return_logprob")), start)
@@ -218,6 +225,14 @@ class RolloutServer:
                                   "weight_version": self.weight_version,
                                   "preferred_sampling_params": None})
 
+    async def server_info(self, request: web.Request) -> web.Response:
+        """GET /server_info: the fields of SGLang's reply the trainer reads (SGLang returns
+        every server argument, sglang/srt/entrypoints/http_server.py ``server_info``)."""
+        return web.json_response({"model_path": self.gen.model_dir, "tp_size": 1, "pp_size": 1,
+                                  "dp_size": 1, "device": "cpu",
+                                  "enable_deterministic_inference": self.deterministic,
+                                  "version": "embedded", "weight_version": self.weight_version})
+
     async def get_weight_version(self, request: web.Request) -> web.Response:
         """GET /get_weight_version."""
         return web.json_response({"weight_version": self.weight_version})
@@ -231,7 +246,8 @@ class RolloutServer:
         if mode == "abort":
             self.abort.set()
             await self._abort_pending()
-        return web.json_response({"success": True, "message": f"paused ({mode})"})
+        # reply shapes of sglang/srt/entrypoints/http_server.py pause/continue_generation
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def _abort_pending(self) -> None:
         self.resumed.set()  # let the running batch observe the abort and finish
@@ -250,7 +266,8 @@ class RolloutServer:
         self.abort.clear()
         self.resumed.set()
         self.wakeup.set()
-        return web.json_response({"success": True, "message": "continued"})
+        return web.json_response({"message": "Generation continued successfully.",
+                                  "status": "ok"})
 
     # ------------------------------------------------------------------ weight updates
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -272,16 +289,25 @@ class RolloutServer:
                                   f"{group.rank} of {group.world_size}"})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        """POST /begin_weight_update: open the window in which weight updates are accepted."""
+        """POST /begin_weight_update: open the session in which weight updates are accepted.
+
+        One session at a time, as sglang/srt/managers/scheduler_components/weight_updater.py
+        (``begin_weight_update``): a second begin is refused with HTTP 400.
+        """
+        if self.in_weight_update:
+            return web.json_response({"success": False, "message": "a weight-update session "
+                                      "is already open; call end_weight_update() first"},
+                                     status=400)
         self.in_weight_update = True
-        return web.json_response({"success": True, "message": "weight update begun"})
+        return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
-        """POST /end_weight_update: close the window."""
+        """POST /end_weight_update: close the session (HTTP 400 when none is open)."""
         if not self.in_weight_update:
-            raise RequestError("end_weight_update without begin_weight_update")
+            return web.json_response({"success": False, "message": "no weight-update session "
+                                      "is open; call begin_weight_update() first"}, status=400)
         self.in_weight_update = False
-        return web.json_response({"success": True, "message": "weight update ended"})
+        return web.json_response({"success": True, "message": "Success"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """POST /update_weights_from_distributed: receive tensors by broadcast(src=0), load them.
@@ -306,6 +332,8 @@ class RolloutServer:
         fmt = body.get("load_format")
         if fmt not in (None, "flattened_bucket"):
             raise RequestError(f"load_format={fmt!r}: expected null or 'flattened_bucket'")
+        if fmt == "flattened_bucket":
+            _check_aligned(specs)
         async with self.update_lock:
             try:
                 await asyncio.to_thread(self.gen.receive_weights, group, specs,
@@ -325,6 +353,18 @@ class RolloutServer:
             raise RequestError(f"group_name {name!r} unknown (known: {sorted(self.groups)})")
         group.close()
         return web.json_response({"success": True, "message": f"destroyed {name!r}"})
+
+
+def _check_aligned(specs: list[tuple[str, torch.dtype, tuple]]) -> None:
+    """Refuse (before joining the broadcast) a bucket whose tensor starts at an offset that is
+    not a multiple of its element size, as SGLang's ``FlattenedTensorBucket.empty``
+    (sglang/srt/weight_sync/tensor_bucket.py) does."""
+    offset = 0
+    for name, dtype, shape in specs:
+        if offset % dtype.itemsize:
+            raise RequestError(f"Unaligned received tensor {name}: byte offset {offset}, "
+                               f"dtype {dtype}")
+        offset += torch.Size(shape).numel() * dtype.itemsize
 
 
 @web.middleware
@@ -348,6 +388,7 @@ def build_app(server: RolloutServer) -> web.Application:
     for path, handler in [("/health", s.health), ("/health_generate", s.health_generate),
                           ("/model_info", s.model_info), ("/get_model_info", s.model_info),
                           ("/get_weight_version", s.get_weight_version),
+                          ("/server_info", s.server_info),
                           ("/flush_cache", s.flush_cache)]:
         app.router.add_get(path, handler)
     for path, handler in [("/generate", s.generate), ("/flush_cache", s.flush_cache),
@@ -375,7 +416,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="directory of a Hugging Face Qwen3 checkpoint (config.json + weights)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0, help="sampling RNG seed")
+    p.add_argument("--seed", type=int, default=0, help="sampling RNG seed (unseeded requests)")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="honour sampling_params.sampling_seed, as SGLang does with this flag")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json (benchmarks), as in SGLang")
@@ -399,7 +442,8 @@ def _load_generator(args: argparse.Namespace) -> Generator:
 
 
 async def _serve(args: argparse.Namespace, generator: Generator) -> None:
-    server = RolloutServer(generator, max_batch_seqs=args.max_batch_seqs)
+    server = RolloutServer(generator, max_batch_seqs=args.max_batch_seqs,
+                           deterministic=args.enable_deterministic_inference)
     runner = web.AppRunner(build_app(server), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -414,6 +458,7 @@ async def _serve(args: argparse.Namespace, generator: Generator) -> None:
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point: ``python -m megatron_klear.rollout.server --model DIR --port P``."""
     args = _parse_args(argv)
+    exit_when_orphaned()  # also when the launcher's parent-death signal cannot fire
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(max(1, args.num_threads))
     asyncio.run(_serve(args, _load_generator(args)))

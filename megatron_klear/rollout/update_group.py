@@ -1,24 +1,38 @@
 """The weight-update process group shared by the trainer (rank 0) and the rollout servers.
 
-Built the way SGLang builds its custom group (``init_custom_process_group``): a TCP store
-hosted by rank 0 at ``master_address:master_port``, wrapped in ``PrefixStore(group_name + "/")``,
-and a backend process group on it, independent of the trainer's default process group.
-gloo on CPU, NCCL on GPU. Both the trainer side (weight_sync.py) and the embedded server use
-this one helper, so the two ends cannot disagree on the rendezvous.
+Formed through the same torch path as SGLang's receiving side,
+``sglang.srt.utils.common.init_custom_process_group`` (called from
+``sglang/srt/model_executor/model_runner_components/weight_updater.py``): a ``tcp://`` rendezvous
+(rank 0 hosts the TCP store, listening on all interfaces), ``PrefixStore(group_name, store)``,
+then torch's ``_new_process_group_helper``, which adds its own ``"{group_name}/"`` key prefix.
+The key layout is torch's, so both ends agree by construction; a hand-made store prefix does
+not (the group never forms against real SGLang). The trainer side (weight_sync.py) and the
+embedded server both use :func:`open_update_group`.
+
+Under torchrun, ``TORCHELASTIC_USE_AGENT_STORE=True`` makes torch's ``tcp://`` rendezvous
+connect to the elastic agent's store instead of hosting one; the update group's rank 0 (the
+trainer) must host its own store, so the variable is cleared for the rendezvous.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import socket
+import threading
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["UpdateGroup", "open_update_group", "DTYPES", "parse_dtype"]
+__all__ = ["UpdateGroup", "open_update_group", "DTYPES", "parse_dtype", "routable_address"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64, "uint8": torch.uint8, "int64": torch.int64}
+
+_ENV_LOCK = threading.Lock()
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -34,6 +48,30 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def routable_address(server_url: str) -> str:
+    """This host's address on the route to ``server_url`` (what the server must dial).
+
+    127.0.0.1 for a local server; the outward interface's address for a server on another
+    node (a UDP ``connect`` picks the route without sending a packet).
+    """
+    host = urlsplit(server_url).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
+@contextlib.contextmanager
+def _own_store():
+    """Clear TORCHELASTIC_USE_AGENT_STORE so the rendezvous hosts (rank 0) its own store."""
+    with _ENV_LOCK:
+        saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        try:
+            yield
+        finally:
+            if saved is not None:
+                os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+
+
 @dataclass
 class UpdateGroup:
     """A rank's handle on the weight-update group: broadcast from rank 0, then close."""
@@ -42,7 +80,6 @@ class UpdateGroup:
     rank: int
     world_size: int
     backend: str
-    store: dist.Store
     pg: object
 
     def broadcast(self, tensor: torch.Tensor) -> None:
@@ -52,13 +89,14 @@ class UpdateGroup:
         self.pg.broadcast([tensor], opts).wait()
 
     def close(self) -> None:
-        """Release the backend (the store closes with its last reference)."""
-        shutdown = getattr(self.pg, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception:  # a peer already left; nothing more to release
-                pass
+        """Destroy the group (as SGLang's destroy_weights_update_group does); peers that are
+        still inside a broadcast see the connection close and fail instead of hanging."""
+        if self.pg is None:
+            return
+        try:
+            dist.destroy_process_group(self.pg)
+        except Exception:  # a peer already left or the group is half-formed; nothing to free
+            pass
         self.pg = None
 
 
@@ -66,14 +104,21 @@ def open_update_group(master_address: str, master_port: int, rank: int, world_si
                       group_name: str, backend: str = "gloo",
                       timeout_s: float = 300.0) -> UpdateGroup:
     """Join (rank > 0) or host (rank 0) the weight-update group; blocks until all ranks join."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+                                                    _new_process_group_helper, _world, rendezvous)
+
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: the weight-update group supports gloo or nccl")
+    if not group_name:
+        raise ValueError("group_name must be non-empty (SGLang asserts it)")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
-    prefixed = dist.PrefixStore(f"{group_name}/", store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    else:  # pragma: no cover - needs GPUs
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
-    return UpdateGroup(group_name, rank, world_size, backend, store, pg)
+    host = f"[{master_address}]" if ":" in master_address else master_address
+    with _own_store():
+        store, rank, world_size = next(rendezvous(f"tcp://{host}:{int(master_port)}", rank,
+                                                  world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
+                                      PrefixStore(group_name, store), group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return UpdateGroup(group_name, rank, world_size, backend, pg)

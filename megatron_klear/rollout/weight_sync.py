@@ -1,21 +1,33 @@
 """Push the trainer's weights to the rollout servers after every update (SGLang protocol).
 
-Per sync: rank 0 pauses generation, flushes the cache and opens the update window
-(``/begin_weight_update``); then every pipeline stage streams its own layers; then rank 0
-closes the window and resumes generation. Streaming a stage: ``export_hf_weights`` (the
-checkpoint bridge's one Megatron -> HF mapping; collective over TP) yields full HF-named
-tensors, which the stage's *source rank* packs into buckets of ``bucket_bytes``; per bucket
-it POSTs ``/update_weights_from_distributed``, broadcasts the bucket over the weight-update
-group and awaits the servers' replies. ``load_format="flattened_bucket"`` (default) sends the
-tensors' bytes back to back in one uint8 buffer (one broadcast per bucket, packed into a
-reused buffer); ``load_format=None`` broadcasts each tensor as is (no packing copy; the
-embedded server receives straight into its parameters). Bucket k+1 is exported and packed
-while bucket k is on the wire. Only data-parallel replica 0 exports.
+Per sync: rank 0 checks which servers are alive (a dead one leaves the weight-update group, a
+restarted one rejoins: the group is re-formed and it receives the full weights), pauses
+generation, flushes the cache and opens the update session (``/begin_weight_update``); then
+the pipeline stages stream their layers one stage after another; then -- always, also after a
+failure -- rank 0 closes the session (``/end_weight_update``) and resumes generation
+(``/continue_generation``), so no server is left paused or with an open session.
 
-PP design: each pipeline stage's source rank (TP rank 0, DP rank 0) hosts its OWN
-weight-update group (``{group_name}_pp{stage}`` when PP > 1) and is rank 0 of it, as SGLang
-requires of the trainer; every server joins every stage's group. Stages therefore send in
-parallel with no extra copy through rank 0; servers apply requests one at a time.
+Streaming a stage: ``export_hf_weights`` (the checkpoint bridge's one Megatron -> HF mapping;
+collective over TP) yields full HF-named tensors, which the stage's *source rank* packs into
+buckets of ``bucket_bytes``; per bucket one POST ``/update_weights_from_distributed`` and one
+broadcast over the weight-update group. ``load_format="flattened_bucket"`` (default) sends the
+tensors' bytes back to back in one uint8 buffer, largest element size first so every tensor
+starts at an offset aligned to its dtype (SGLang's ``FlattenedTensorBucket`` refuses others);
+``load_format=None`` broadcasts each tensor as is. Pipelining: bucket k+1 is exported and
+packed while bucket k is on the wire; its request is POSTed once every server answered bucket
+k (one request in flight: concurrent requests may reach a server in either order). Only
+data-parallel replica 0 exports.
+
+Group formation (sglang/srt/model_executor/model_runner_components/weight_updater.py): SGLang
+server i joins as ``rank_offset_i + tp_rank``; its TP size is read from ``GET /server_info``,
+so ``rank_offset_i = 1 + sum(tp_j, j < i)`` and ``world_size = 1 + sum(tp)``. The trainer is
+rank 0 and hosts the store (update_group.py), at ``master_addr``: by default this host's
+address on the route to the first server (routable when the servers run on other nodes).
+
+PP design: each stage's source rank (TP rank 0, DP rank 0) hosts its OWN weight-update group
+(``{group_name}_pp{stage}`` when PP > 1). Each SGLang server handles weight requests one at a
+time in arrival order, so stages that sent concurrently could reach two servers in opposite
+orders and deadlock; stages therefore form their groups and send one after another.
 
 Correctness probe: :meth:`WeightSync.probe` asks every server for the logprobs of a fixed
 sequence and returns the max |server - trainer| (log it as ``weight_sync/probe_max_abs_diff``).
@@ -24,6 +36,7 @@ sequence and returns the max |server - trainer| (log it as ``weight_sync/probe_m
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import socket
 import time
@@ -34,9 +47,11 @@ import torch.distributed as dist
 
 from megatron_klear import platform
 from megatron_klear.rollout.client import RolloutClient, RolloutError
-from megatron_klear.rollout.update_group import UpdateGroup, dtype_name, open_update_group
+from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, open_update_group,
+                                                 routable_address)
 
-__all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "flatten_bucket",
+__all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "flatten_bucket", "aligned_order",
+           "rank_layout",
            "trainer_sequence_logprobs", "PROBE_METRIC"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
@@ -105,25 +120,27 @@ class WeightSync:
 
     def __init__(self, urls: list[str], model_chunks: list[torch.nn.Module], arch, *,
                  bucket_bytes: int = 512 * 2**20, group_name: str = "klear_weights",
-                 master_addr: str | None = "127.0.0.1", master_port: int | None = None,
-                 backend: str | None = None, server_tp: int = 1, dtype: torch.dtype | None = None,
+                 master_addr: str | None = None, master_port: int | None = None,
+                 backend: str | None = None, dtype: torch.dtype | None = None,
                  pause_mode: str = "abort", load_format: str | None = "flattened_bucket",
+                 rollout_client: RolloutClient | None = None,
                  timeout_s: float = 600.0) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be > 0")
         if load_format not in (None, "flattened_bucket"):
             raise ValueError(f"load_format={load_format!r}: expected None (one broadcast per "
                              "tensor) or 'flattened_bucket' (one per bucket)")
-        self.client = RolloutClient(urls, request_timeout_s=timeout_s, max_retries=0)
+        self.urls = [u.rstrip("/") for u in urls]
+        self.members: list[str] = []  # the servers in the current weight-update group
+        self.rollout_client = rollout_client  # generation goes only to members (rank 0)
         self.model_chunks, self.arch = model_chunks, arch
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
-        self.stage, pp, self.rank, self.replica0, self.is_source = _parallel_ranks()
-        self.group_name = group_name if pp == 1 else f"{group_name}_pp{self.stage}"
-        self.master_addr = master_addr or socket.gethostbyname(socket.getfqdn())
+        self.stage, self.pp, self.rank, self.replica0, self.is_source = _parallel_ranks()
+        self.group_name = group_name if self.pp == 1 else f"{group_name}_pp{self.stage}"
+        self.master_addr = master_addr or routable_address(self.urls[0])
         self.master_port = master_port if master_port is None else master_port + self.stage
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.server_tp, self.pause_mode, self.timeout_s = server_tp, pause_mode, timeout_s
-        self.load_format = load_format
+        self.pause_mode, self.timeout_s, self.load_format = pause_mode, timeout_s, load_format
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if self.backend == "nccl" else torch.device("cpu")
         self.group: UpdateGroup | None = None
@@ -131,55 +148,131 @@ class WeightSync:
         self._sender = concurrent.futures.ThreadPoolExecutor(1)  # bucket k on the wire ...
         self._http = concurrent.futures.ThreadPoolExecutor(1)  # ... while its request waits
 
+    @property
+    def client(self) -> RolloutClient:
+        """A client of the current members (no retries: a weight request is not repeatable)."""
+        return RolloutClient(self.members or self.urls, request_timeout_s=self.timeout_s,
+                             max_retries=0)
+
     # ------------------------------------------------------------------ group lifecycle
     def connect(self) -> None:
-        """Form this stage's weight-update group with every server (collective)."""
-        if self.is_source:
-            port = self.master_port or _free_port(self.master_addr)
-            world = 1 + len(self.client.urls) * self.server_tp
-            payloads = {url: {"master_address": self.master_addr, "master_port": port,
-                              "rank_offset": 1 + i * self.server_tp, "world_size": world,
-                              "group_name": self.group_name, "backend": self.backend}
-                        for i, url in enumerate(self.client.urls)}
-            replies = self._http.submit(self._post_each, "/init_weights_update_group", payloads)
-            self.group = open_update_group(self.master_addr, port, 0, world, self.group_name,
-                                           self.backend, self.timeout_s)
-            self._check(replies.result(), "/init_weights_update_group")
-        dist.barrier()
+        """Form the weight-update groups with every live server (collective)."""
+        self._reform(self._live_urls())
 
     def close(self) -> None:
         """Destroy the weight-update groups on servers and trainer (collective)."""
-        if self.group is not None:
-            self._check(self.client.post_all("/destroy_weights_update_group",
-                                             {"group_name": self.group_name}),
-                        "/destroy_weights_update_group")
-            self.group.close()
-            self.group = None
+        self._per_stage(self._leave)
+        self.members = []
         self._sender.shutdown()
         self._http.shutdown()
-        dist.barrier()
+
+    def _live_urls(self) -> list[str]:
+        """The servers that answer /health, as rank 0 sees them (collective)."""
+        held = [None]
+        if self.rank == 0:
+            held[0] = [u for u, ok in RolloutClient(self.urls).health().items() if ok]
+        dist.broadcast_object_list(held, src=0)
+        return held[0]
+
+    def _reform(self, urls: list[str]) -> None:
+        """(Re)form every stage's group with ``urls`` (collective)."""
+        if not urls:
+            raise WeightSyncError(f"no rollout server is alive (of {self.urls}); restart them "
+                                  "and rerun: the run resumes from its last checkpoint")
+        self._per_stage(self._leave)
+        self.members = list(urls)
+        self._per_stage(self._join)
+        if self.rank == 0 and self.rollout_client is not None:
+            self.rollout_client.set_active(self.members)
+
+    def _leave(self) -> None:
+        """Source rank: destroy this stage's group on the trainer and on live servers."""
+        if self.group is None:
+            return
+        self.group.close()
+        self.group = None
+        self._destroy_on_servers([u for u, ok in RolloutClient(self.members).health().items()
+                                  if ok])
+
+    def _destroy_on_servers(self, urls: list[str]) -> None:
+        """Best effort: drop this stage's group name on ``urls`` (a server that fails here
+        fails the next init loudly; one without the group answers 400, ignored)."""
+        for url in urls:
+            with contextlib.suppress(RolloutError):
+                RolloutClient([url], request_timeout_s=self.timeout_s).post_all(
+                    "/destroy_weights_update_group", {"group_name": self.group_name})
+
+    def _join(self) -> None:
+        """Source rank: host this stage's group; every member joins with its TP ranks."""
+        self._destroy_on_servers(self.members)  # left by an earlier run against these servers
+        infos = self.client.server_info()
+        tps = []
+        for url in self.members:
+            info = infos[url] if isinstance(infos[url], dict) else {}
+            if int(info.get("pp_size", 1)) != 1:
+                raise WeightSyncError(f"{url}: the server runs pp_size={info['pp_size']}; weight "
+                                      "sync supports servers with pp_size 1 (use --tp-size)")
+            tps.append(int(info.get("tp_size", 1)))
+        port = self.master_port or _free_port(self.master_addr)
+        offsets, world = rank_layout(tps)
+        payloads = {url: {"master_address": self.master_addr, "master_port": port,
+                          "rank_offset": offset, "world_size": world,
+                          "group_name": self.group_name, "backend": self.backend}
+                    for url, offset in zip(self.members, offsets)}
+        replies = self._http.submit(self._post_each, "/init_weights_update_group", payloads)
+        try:
+            self.group = open_update_group(self.master_addr, port, 0, world, self.group_name,
+                                           self.backend, self.timeout_s)
+        finally:
+            self._check(replies.result(), "/init_weights_update_group")
+
+    def _per_stage(self, work, whole_stage: bool = False) -> None:
+        """Run ``work`` on each stage's source rank (``whole_stage``: on all its ranks), stage
+        after stage (collective); a failure on any rank is raised on every rank."""
+        for stage in range(self.pp):
+            error = None
+            if self.stage == stage and (self.is_source or whole_stage):
+                try:
+                    work()
+                except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                    error = exc
+            _agree(error)
 
     # ------------------------------------------------------------------ sync
     def sync(self, weight_version: str) -> dict[str, float]:
-        """Send the current weights to every server, tagged ``weight_version`` (collective).
+        """Send the current weights to every live server, tagged ``weight_version``
+        (collective).
 
         Returns (on every rank) ``weight_sync/bytes``, ``weight_sync/seconds`` and
-        ``weight_sync/gbps`` (GB/s = 1e9 bytes per second, all stages together).
+        ``weight_sync/gbps`` (GB/s = 1e9 bytes per second, all stages together). On failure
+        every server is resumed and every rank raises :class:`WeightSyncError`.
         """
-        if self.is_source and self.group is None:
-            raise WeightSyncError("WeightSync.sync before connect(): call connect() once first")
-        dist.barrier()  # a probe another rank has in flight finishes before the pause
+        live = self._live_urls()
+        if live != self.members or (self.is_source and self.group is None):
+            self._reform(live)
         start = time.perf_counter()
-        if self.rank == 0:
-            self._admin_before()
-        dist.barrier()
-        sent = self._send_stage(weight_version)
-        dist.barrier()
-        if self.rank == 0:
-            self._check(self.client.post_all("/end_weight_update", {}), "/end_weight_update")
-            self.client.post_all("/continue_generation", {})
+        sent = [0]
+
+        def send() -> None:
+            sent[0] = self._send_stage(weight_version)
+
+        try:
+            error = None
+            if self.rank == 0:
+                try:
+                    self._admin_before()
+                except Exception as exc:  # noqa: BLE001 - re-raised on every rank
+                    error = exc
+            _agree(error)
+            self._per_stage(send, whole_stage=True)
+        except WeightSyncError:
+            self._per_stage(self._leave)  # the group may be mid-broadcast: re-form next time
+            raise
+        finally:
+            if self.rank == 0:
+                self._admin_after()
         here = platform.device()  # the default group's device (NCCL needs CUDA tensors)
-        total = torch.tensor([float(sent)], dtype=torch.float64, device=here)
+        total = torch.tensor([float(sent[0])], dtype=torch.float64, device=here)
         dist.all_reduce(total)
         seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=here)
         dist.broadcast(seconds, src=0)
@@ -195,6 +288,19 @@ class WeightSync:
         self.client.post_all("/pause_generation", {"mode": self.pause_mode})
         self._flush_cache()
         self._check(self.client.post_all("/begin_weight_update", {}), "/begin_weight_update")
+
+    def _admin_after(self) -> None:
+        """Close the update session and resume generation on every member, each attempted even
+        when another fails (a server left paused would block every later /generate)."""
+        problems = []
+        for path in ("/end_weight_update", "/continue_generation"):
+            for url in self.members:
+                try:
+                    RolloutClient([url], request_timeout_s=self.timeout_s).post_all(path, {})
+                except RolloutError as exc:
+                    problems.append(str(exc))
+        if problems:
+            log.warning("after weight sync: %s", "; ".join(problems))
 
     def _flush_cache(self, wait_s: float = 30.0) -> None:
         """GET /flush_cache until every server accepts (400 while aborted requests drain)."""
@@ -221,12 +327,24 @@ class WeightSync:
                 pass
             return 0
         sent, inflight = 0, None
-        for i, bucket in enumerate(iter_buckets(named, self.bucket_bytes)):
-            payload, tensors = self._pack(bucket, weight_version, slot=i % 2)
-            if inflight is not None:
-                sent += inflight.result()
-            inflight = self._sender.submit(self._transfer, payload, tensors)
-        return sent + (inflight.result() if inflight is not None else 0)
+        try:
+            for i, bucket in enumerate(iter_buckets(named, self.bucket_bytes)):
+                payload, tensors = self._pack(bucket, weight_version, slot=i % 2)
+                if inflight is not None:
+                    sent += inflight.result()
+                inflight = self._sender.submit(self._transfer, payload, tensors)
+            return sent + (inflight.result() if inflight is not None else 0)
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise WeightSyncError(f"weight sync {weight_version!r} of stage {self.stage} failed "
+                                  f"after {sent / 1e6:.1f} MB: {type(exc).__name__}: {exc}; "
+                                  "the servers were resumed with their previous weights "
+                                  "partly overwritten, rerun to resume from the last "
+                                  "checkpoint") from exc
+        finally:
+            if inflight is not None:  # never leave a broadcast running on the group
+                concurrent.futures.wait([inflight])
 
     def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
         from megatron_klear.checkpoint.hf_bridge import export_hf_weights
@@ -237,6 +355,8 @@ class WeightSync:
     def _pack(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str,
               slot: int) -> tuple[dict, list[torch.Tensor]]:
         """The request of one bucket and the tensors to broadcast (one flat buffer, or each)."""
+        if self.load_format == "flattened_bucket":
+            bucket = aligned_order(bucket)
         payload = {"names": [n for n, _ in bucket],
                    "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                    "shapes": [list(t.shape) for _, t in bucket],
@@ -250,12 +370,16 @@ class WeightSync:
         return payload, [flatten_bucket(bucket, out=self._buffers[slot][:nbytes])]
 
     def _transfer(self, payload: dict, tensors: list[torch.Tensor]) -> int:
-        """POST the request, broadcast its tensors in order, await every server's reply."""
-        replies = self._http.submit(self.client.post_all, "/update_weights_from_distributed",
-                                    payload)
+        """POST the bucket's request, broadcast its tensors, await every server's reply.
+
+        One request in flight at a time: servers may take concurrent requests in either
+        order, and a server in the wrong bucket's broadcast deadlocks the group.
+        """
+        reply = self._http.submit(self.client.post_all, "/update_weights_from_distributed",
+                                  payload)
         for t in tensors:
             self.group.broadcast(t if t.device == self.device else t.to(self.device))
-        self._check(replies.result(), "/update_weights_from_distributed")
+        self._check(reply.result(), "/update_weights_from_distributed")
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ probe
@@ -288,6 +412,31 @@ class WeightSync:
         for url, reply in replies.items():
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise WeightSyncError(f"{url}{path} failed: {reply.get('message')}")
+
+
+def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """Rank offsets and world size of the update group: the trainer is rank 0, server i's TP
+    ranks are ``offset_i + tp_rank`` with ``offset_i = 1 + sum(tp_j, j < i)``."""
+    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+    return offsets, 1 + sum(tp_sizes)
+
+
+def aligned_order(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors, largest element size first (stable): in the flattened buffer every
+    tensor then starts at a multiple of its element size (sizes are powers of two)."""
+    return sorted(bucket, key=lambda nt: -nt[1].element_size())
+
+
+def _agree(error: BaseException | None) -> None:
+    """Collective: raise on every rank when any rank failed (the failing rank's own error)."""
+    flag = torch.tensor([1.0 if error is not None else 0.0], device=platform.device())
+    dist.all_reduce(flag)
+    if error is not None:
+        if isinstance(error, WeightSyncError):
+            raise error
+        raise WeightSyncError(f"{type(error).__name__}: {error}") from error
+    if float(flag) > 0:
+        raise WeightSyncError("weight sync failed on another rank (its log names the cause)")
 
 
 def _free_port(host: str) -> int:

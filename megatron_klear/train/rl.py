@@ -69,6 +69,9 @@ class RLConfig(TrainConfig):
     weight_sync_format: str = opt("flattened_bucket", "one broadcast per bucket, or per tensor "
                                   "(faster over gloo on CPU: no packing copy)",
                                   choices=("flattened_bucket", "per_tensor"))
+    weight_sync_master_addr: str | None = opt(None, "address the rollout servers dial to join "
+                                              "the weight-update group (default: this node's "
+                                              "address on the route to the first server)")
     probe_weights: bool = opt(True, "after each sync, compare server and trainer log-probs")
     eval_data: str | None = opt(None, "benchmark JSONL for periodic eval")
     eval_interval: int = opt(0, "evaluate every K steps (0: off)")
@@ -315,7 +318,8 @@ def train(cfg: RLConfig) -> list[dict]:
         sync = WeightSync(servers.urls, engine.model, arch,
                           bucket_bytes=cfg.weight_sync_bucket_mb * 2**20,
                           load_format=None if cfg.weight_sync_format == "per_tensor"
-                          else cfg.weight_sync_format)
+                          else cfg.weight_sync_format,
+                          master_addr=cfg.weight_sync_master_addr, rollout_client=client)
         sync.connect()
         sync.sync(weight_version=str(step))  # servers start from the trainer's weights
         while step < cfg.train_iters:
