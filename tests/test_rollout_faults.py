@@ -213,8 +213,9 @@ def test_rl_loses_no_prompt_when_a_server_dies_mid_step(model_dir, rl_prompts, t
 def test_no_server_left_fails_clearly_resumes_and_sigkill_leaves_no_orphans(
         model_dir, rl_prompts, tmp_path):
     """1) the only server dies: the step fails with a clear message; 2) the rerun resumes from
-    the checkpoint; SIGKILL it with its server and math-verifier workers running: none of its
-    processes outlives it; 3) the next rerun finishes every step exactly once."""
+    the checkpoint; SIGKILL it with its server, math-verifier workers and megatron's
+    checkpoint-writer manager running: none of its processes outlives it; 3) the next rerun
+    finishes every step exactly once."""
     save, metrics = tmp_path / "ck", tmp_path / "ck" / "metrics.jsonl"
     cmd = _rl_cmd(model_dir, rl_prompts, save, 3, "--reward", "math")
     proc = _start(cmd)
@@ -230,6 +231,8 @@ def test_no_server_left_fails_clearly_resumes_and_sigkill_leaves_no_orphans(
     kinds = [_cmdline(p) for p in family]
     assert any("megatron_klear.rewards.math" in k for k in kinds), kinds  # verifier workers
     assert any("megatron_klear.rollout.server" in k for k in kinds), kinds
+    # megatron's checkpoint writer keeps a multiprocessing Manager (the saves of steps 1-2)
+    assert any("multiprocessing.spawn" in k for k in kinds), kinds
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 20
