@@ -11,9 +11,11 @@ EXTRA memory (above the logits already in memory) of:
 All methods run side by side in one process at TP=1, so the printed ratios compare like with
 like. On CPU, peak memory is the peak RSS (sampled by a thread every 0.2 ms) minus the RSS
 before the call; on GPU it is torch.cuda.max_memory_allocated minus the allocation before.
-GPU rows also print the achieved bandwidth for 3 x the logits bytes (6 x V/TP bytes per token
-in bf16: read in forward, read + write in backward). Rows whose reference would need more than
---max-gib are skipped with a message. Example:
+Every row also prints the achieved bandwidth for 3 x the logits bytes (6 x V/TP bytes per token
+in bf16: read in forward, read + write in backward) and its ratio to the copy bandwidth of the
+same machine, measured in the same run (best of --repeats copies of the logits into a second,
+pre-touched buffer: 2 x the logits bytes moved); GPU rows add the ratio to --peak-gbps.
+Rows whose reference would need more than --max-gib are skipped with a message. Example:
 
     python benchmarks/bench_policy_loss.py --tokens 1024 4096 --vocab 37984 151936
 """
@@ -122,6 +124,23 @@ def _measure(method: str, inputs: dict, repeats: int) -> tuple[float, int]:
     return best, peak
 
 
+def _copy_gbps(logits: torch.Tensor, repeats: int) -> float:
+    """Copy bandwidth (read + write bytes / s) of ``logits`` into a pre-touched buffer, best of
+    ``repeats`` after a warm-up: the machine's own memory-bandwidth yardstick."""
+    dst = torch.empty_like(logits)
+    best = float("inf")
+    for i in range(repeats + 1):
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(logits)
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        if i > 0:
+            best = min(best, time.perf_counter() - start)
+    return 2 * logits.numel() * logits.element_size() / best / 1e9
+
+
 def _inputs(tokens: int, vocab: int, dtype: torch.dtype, device: str) -> dict:
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(tokens, vocab, generator=g, dtype=torch.float32) * 2).to(dtype)
@@ -144,16 +163,21 @@ def _row(tokens: int, vocab: int, args, methods: list[str]) -> list[str]:
                 f"> --max-gib {args.max_gib} | | | | |"]
     inputs = _inputs(tokens, vocab, DTYPES[args.dtype], args.device)
     results = {m: _measure(m, inputs, args.repeats) for m in methods}
-    ref_t, ref_m = results["torch"]
-    meg_t, meg_m = results["megatron"]
+    copy_gbps = _copy_gbps(inputs["logits"], args.repeats)
+    ref_t, ref_m = results.get("torch", (1.0, 1))
+    meg_t, meg_m = results.get("megatron", (1.0, 1))
     traffic = 3 * inputs["logits"].element_size() * vocab * tokens   # 6 B/logit in bf16
     lines = []
     for m, (t, mem) in results.items():
         gbps = traffic / t / 1e9
-        bw = f"{gbps:.0f} GB/s ({gbps / args.peak_gbps:.0%})" if args.device == "cuda" else "-"
+        bw = f"{gbps:.1f} GB/s = {gbps / copy_gbps:.0%} of copy ({copy_gbps:.1f} GB/s)"
+        if args.device == "cuda":
+            bw += f", {gbps / args.peak_gbps:.0%} of {args.peak_gbps:.0f} GB/s peak"
+        vs = "-" if "torch" not in results or "megatron" not in results else \
+            f"{ref_t / t:.2f}x / {meg_t / t:.2f}x | " \
+            f"{mem / max(ref_m, 1):.3f} / {mem / max(meg_m, 1):.3f}"
         lines.append(f"| {tokens} | {vocab} | {m} | {t * 1e3:.1f} | {mem / 2**20:.0f} | "
-                     f"{ref_t / t:.2f}x / {meg_t / t:.2f}x | "
-                     f"{mem / max(ref_m, 1):.3f} / {mem / max(meg_m, 1):.3f} | {bw} |")
+                     f"{vs if vs != '-' else '- | -'} | {bw} |")
     return lines
 
 
@@ -166,6 +190,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per method (best is kept)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="subset of the methods to run (default: all); the ratio columns need "
+                        "torch and megatron")
     p.add_argument("--max-gib", type=float, default=12.0,
                    help="skip rows whose reference would need more memory than this")
     p.add_argument("--peak-gbps", type=float, default=4800.0,
@@ -180,10 +207,12 @@ def main(argv=None) -> int:
         return 2
     _init_megatron_tp1()
     methods = _methods(args.device)
+    if args.methods:
+        methods = [m for m in methods if m in args.methods]
     print(f"# device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"methods={methods}")
     print("| T | V/TP | method | fwd+bwd ms | peak extra MiB | speed-up vs torch / megatron | "
-          "memory vs torch / megatron | bandwidth (3 x logits bytes) |")
+          "memory vs torch / megatron | bandwidth (3 x logits bytes) vs copy |")
     print("|---|---|---|---|---|---|---|---|")
     rows = [(t, v) for t in args.tokens for v in args.vocab]
     for tokens, vocab in tqdm(rows, desc="rows", file=sys.stderr):

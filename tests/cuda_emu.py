@@ -73,6 +73,9 @@ def build(mutations: list[int] = (0,)) -> dict[int, Path]:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"emulated-CUDA build of {SOURCE.name} failed:\n{err}")
         os.replace(tmp, path)
+        for stale in BUILD_DIR.glob(path.name.rsplit("_", 1)[0] + "_*.so"):  # older sources
+            if stale != path:
+                stale.unlink(missing_ok=True)
     return paths
 
 

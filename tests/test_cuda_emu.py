@@ -43,6 +43,7 @@ class Case:
 
 
 CASES = [
+    Case("bf16-tp1-qwen3-vocab", torch.bfloat16, 3, 151936, 1, 151669),
     Case("bf16-tp1-vector", torch.bfloat16, 5, 40000, 1, 39989, temperature=0.8),
     Case("bf16-tp4-padding-shard", torch.bfloat16, 4, 12288, 4, 2 * 12288 + 5003, inplace=True),
     Case("fp16-tp2-unaligned-fallback", torch.float16, 4, 20000, 2, 39000, 1.3, offset=1),
@@ -181,6 +182,14 @@ CHECKS = {**{f"fp64:{c.name}": (lambda ops, c=c: check_against_fp64(ops, c)) for
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_emulated_cuda_kernels(name):
     CHECKS[name](emulated_ops())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_cpu_kernels_match_fp64_too(case):
+    """The C++ CPU kernels meet the same fp64 bounds (blocked fp32/fp64 sums), so either
+    backend can serve as the other's reference."""
+    from megatron_klear import _C  # noqa: F401  (registers torch.ops.klear)
+    check_against_fp64(torch.ops.klear, case)
 
 
 def test_each_planted_bug_fails_a_check():
