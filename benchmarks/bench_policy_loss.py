@@ -14,7 +14,9 @@ before the call; on GPU it is torch.cuda.max_memory_allocated minus the allocati
 Every row also prints the achieved bandwidth for 3 x the logits bytes (6 x V/TP bytes per token
 in bf16: read in forward, read + write in backward) and its ratio to the copy bandwidth of the
 same machine, measured in the same run (best of --repeats copies of the logits into a second,
-pre-touched buffer: 2 x the logits bytes moved); GPU rows add the ratio to --peak-gbps.
+pre-touched buffer: 2 x the logits bytes moved); GPU rows add the ratio to --peak-gbps, CPU rows
+the cores the process actually got (process CPU seconds / wall seconds; on a shared machine
+other jobs' load shows up as fewer cores than threads).
 Rows whose reference would need more than --max-gib are skipped with a message. Example:
 
     python benchmarks/bench_policy_loss.py --tokens 1024 4096 --vocab 37984 151936
@@ -100,45 +102,55 @@ def _step(method: str, inputs: dict) -> None:
     del logits, loss
 
 
-def _measure(method: str, inputs: dict, repeats: int) -> tuple[float, int]:
-    """(best seconds, peak extra bytes) over ``repeats`` timed runs after one warm-up."""
+class _Best:
+    """Best (smallest) wall and process-CPU seconds of the runs recorded with ``timed``."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.wall, self.cpu = cuda, float("inf"), float("inf")
+
+    def timed(self, fn, record: bool) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        if record:
+            self.wall = min(self.wall, time.perf_counter() - wall)
+            self.cpu = min(self.cpu, time.process_time() - cpu)
+
+
+def _measure(method: str, inputs: dict, repeats: int) -> tuple[_Best, int]:
+    """(best times over ``repeats`` runs after a warm-up, peak extra bytes of one more run).
+    Memory is sampled in its own run so that the sampling thread does not slow the timed ones."""
     cuda = inputs["logits"].is_cuda
-    best, peak = float("inf"), 0
-    for i in range(repeats + 1):
+    best = _Best(cuda)
+    for i in range(repeats + 2):
         fresh = dict(inputs, logits=inputs["logits"].clone()) if method.endswith("inplace") \
             else inputs
+        if i <= repeats:
+            best.timed(lambda: _step(method, fresh), record=i > 0)
+            continue
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         with _PeakRss() as rss:
-            start = time.perf_counter()
             _step(method, fresh)
             if cuda:
                 torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-        extra = torch.cuda.max_memory_allocated() - base if cuda else rss.extra
-        if i > 0:
-            best, peak = min(best, elapsed), max(peak, extra)
-        del fresh
+        peak = torch.cuda.max_memory_allocated() - base if cuda else rss.extra
     return best, peak
 
 
-def _copy_gbps(logits: torch.Tensor, repeats: int) -> float:
-    """Copy bandwidth (read + write bytes / s) of ``logits`` into a pre-touched buffer, best of
-    ``repeats`` after a warm-up: the machine's own memory-bandwidth yardstick."""
+def _copy(logits: torch.Tensor, repeats: int) -> _Best:
+    """Best times of copying ``logits`` into a pre-touched buffer (2 x the logits bytes move):
+    the machine's own memory-bandwidth yardstick, measured next to the methods."""
     dst = torch.empty_like(logits)
-    best = float("inf")
+    best = _Best(logits.is_cuda)
     for i in range(repeats + 1):
-        if logits.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(logits)
-        if logits.is_cuda:
-            torch.cuda.synchronize()
-        if i > 0:
-            best = min(best, time.perf_counter() - start)
-    return 2 * logits.numel() * logits.element_size() / best / 1e9
+        best.timed(lambda: dst.copy_(logits), record=i > 0)
+    return best
 
 
 def _inputs(tokens: int, vocab: int, dtype: torch.dtype, device: str) -> dict:
@@ -163,21 +175,25 @@ def _row(tokens: int, vocab: int, args, methods: list[str]) -> list[str]:
                 f"> --max-gib {args.max_gib} | | | | |"]
     inputs = _inputs(tokens, vocab, DTYPES[args.dtype], args.device)
     results = {m: _measure(m, inputs, args.repeats) for m in methods}
-    copy_gbps = _copy_gbps(inputs["logits"], args.repeats)
-    ref_t, ref_m = results.get("torch", (1.0, 1))
-    meg_t, meg_m = results.get("megatron", (1.0, 1))
-    traffic = 3 * inputs["logits"].element_size() * vocab * tokens   # 6 B/logit in bf16
+    copy = _copy(inputs["logits"], args.repeats)
+    logit_bytes = inputs["logits"].element_size() * vocab * tokens
+    copy_gbps = 2 * logit_bytes / copy.wall / 1e9
+    compare = "torch" in results and "megatron" in results
+    if compare:
+        (ref, ref_m), (meg, meg_m) = results["torch"], results["megatron"]
     lines = []
-    for m, (t, mem) in results.items():
-        gbps = traffic / t / 1e9
+    for m, (best, mem) in results.items():
+        gbps = 3 * logit_bytes / best.wall / 1e9   # 6 B/logit in bf16
         bw = f"{gbps:.1f} GB/s = {gbps / copy_gbps:.0%} of copy ({copy_gbps:.1f} GB/s)"
         if args.device == "cuda":
             bw += f", {gbps / args.peak_gbps:.0%} of {args.peak_gbps:.0f} GB/s peak"
-        vs = "-" if "torch" not in results or "megatron" not in results else \
-            f"{ref_t / t:.2f}x / {meg_t / t:.2f}x | " \
+        else:   # cores the process got (CPU s / wall s): below --threads = other jobs' load
+            bw += f"; cores used {best.cpu / best.wall:.1f} (copy {copy.cpu / copy.wall:.1f})"
+        vs = "- | -" if not compare else \
+            f"{ref.wall / best.wall:.2f}x / {meg.wall / best.wall:.2f}x | " \
             f"{mem / max(ref_m, 1):.3f} / {mem / max(meg_m, 1):.3f}"
-        lines.append(f"| {tokens} | {vocab} | {m} | {t * 1e3:.1f} | {mem / 2**20:.0f} | "
-                     f"{vs if vs != '-' else '- | -'} | {bw} |")
+        lines.append(f"| {tokens} | {vocab} | {m} | {best.wall * 1e3:.1f} | {mem / 2**20:.0f} | "
+                     f"{vs} | {bw} |")
     return lines
 
 

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -102,7 +103,7 @@ namespace klear_emu {
 // ------------------------------------------------------------------ fibers
 #if defined(__x86_64__)
 // Saves the callee-saved registers on the current stack, stores its sp in *from, continues on
-// `to` (a stack saved by this function, or a fresh one prepared by Fiber::start).
+// `to` (a stack saved by this function, or a fresh one prepared by start()).
 extern "C" void klear_emu_switch(void** from, void* to);
 asm(R"(
 .text
@@ -130,12 +131,10 @@ klear_emu_switch:
 #endif
 
 constexpr size_t kStackBytes = 64 * 1024;
-constexpr int kMaxThreads = 1024;
-
-struct Block;
 
 struct Fiber {
-  std::vector<unsigned char> stack = std::vector<unsigned char>(kStackBytes);
+  // Not zero-filled: a launch's worker threads are new, and only the pages used get touched.
+  std::unique_ptr<unsigned char[]> stack{new unsigned char[kStackBytes]};
   uint3 tid{0, 0, 0};
   bool done = false;
   unsigned waiting = 0;        // generation of the barrier it waits on (0: runnable)
@@ -204,7 +203,7 @@ inline void fiber_trampoline() { fiber_main(); }
 
 inline void start(Fiber& f) {
 #if defined(__x86_64__)
-  auto top = reinterpret_cast<uintptr_t>(f.stack.data() + f.stack.size()) & ~uintptr_t(15);
+  auto top = reinterpret_cast<uintptr_t>(f.stack.get() + kStackBytes) & ~uintptr_t(15);
   auto* sp = reinterpret_cast<void**>(top);
   *--sp = nullptr;                                          // fake return address of fiber_main
   *--sp = reinterpret_cast<void*>(&fiber_main);             // `ret` target
@@ -212,8 +211,8 @@ inline void start(Fiber& f) {
   f.sp = sp;
 #else
   getcontext(&f.ctx);
-  f.ctx.uc_stack.ss_sp = f.stack.data();
-  f.ctx.uc_stack.ss_size = f.stack.size();
+  f.ctx.uc_stack.ss_sp = f.stack.get();
+  f.ctx.uc_stack.ss_size = kStackBytes;
   f.ctx.uc_link = nullptr;
   makecontext(&f.ctx, &fiber_trampoline, 0);
 #endif
