@@ -197,6 +197,39 @@ def _row(tokens: int, vocab: int, args, methods: list[str]) -> list[str]:
     return lines
 
 
+def _per_core(tokens: int, vocab: int, args) -> str:
+    """CPU kernels and copy on ONE thread, timed by that thread's CPU time (time slicing by other
+    jobs does not count): ns per logit, and the fwd+bwd : copy ratio projected for all
+    ``--threads`` cores, assuming the kernels scale over rows and the copy stays on one core."""
+    from megatron_klear import _C  # noqa: F401  (registers torch.ops.klear)
+    ops = torch.ops.klear
+    inputs = _inputs(tokens, vocab, DTYPES[args.dtype], "cpu")
+    x, t = inputs["logits"], inputs["targets"]
+    dst = x.clone()
+    rows = [torch.full((tokens,), 12.0), torch.full((tokens,), 3.0), torch.randn(tokens),
+            torch.randn(tokens)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def best(fn) -> float:
+            times = []
+            for _ in range(args.repeats + 1):
+                start = time.thread_time()
+                fn()
+                times.append(time.thread_time() - start)
+            return min(times[1:]) / x.numel() * 1e9
+        stats = best(lambda: ops.logprob_stats(x, t, vocab, 1.0))
+        backward = best(lambda: ops.logprob_backward_(dst, t, *rows, vocab, 1.0))
+        copy = best(lambda: dst.copy_(x))
+    finally:
+        torch.set_num_threads(threads)
+    ratio = (3 * x.element_size() / ((stats + backward) / threads)) / \
+        (2 * x.element_size() / copy)
+    return (f"# per core (1 thread, thread CPU time), T={tokens} V/TP={vocab}: stats {stats:.3f} "
+            f"ns/logit, in-place backward {backward:.3f}, copy {copy:.3f} ns/element; projected "
+            f"fwd+bwd on {threads} cores vs 1-core copy: {ratio:.0%}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -206,6 +239,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per method (best is kept)")
+    p.add_argument("--per-core", action="store_true",
+                   help="CPU: also time the kernels and the copy on one thread by its CPU time "
+                        "(insensitive to other jobs on a shared machine) for each row")
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of the methods to run (default: all); the ratio columns need "
                         "torch and megatron")
@@ -234,6 +270,8 @@ def main(argv=None) -> int:
     for tokens, vocab in tqdm(rows, desc="rows", file=sys.stderr):
         for line in _row(tokens, vocab, args, methods):
             print(line, flush=True)
+        if args.per_core and args.device == "cpu":
+            print(_per_core(tokens, vocab, args), flush=True)
     return 0
 
 
