@@ -2,8 +2,8 @@
 # Compile every csrc/**/*.cu with plain nvcc for the targets of csrc/cuda/nvcc_gencode.txt (sm_80
 # and sm_90 machine code, compute_90 PTX; the list setup.py builds with) and check that the
 # fatbinary embeds that SASS and PTX (the images nvcc --dryrun hands to `fatbinary`: the objects
-# are compressed and cuobjdump is not always installed). CI check; no GPU needed. Exits non-zero on any failure; skips
-# (exit 0) with a message only when nvcc is absent.
+# are compressed and cuobjdump is not always installed). CI check; no GPU needed. Exits non-zero
+# on any failure; skips (exit 0) with a message only when nvcc is absent.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if ! command -v nvcc >/dev/null 2>&1; then

@@ -249,14 +249,14 @@ def _logprobs(logits: Tensor, target_ids: Tensor, *, tp_group, vocab_size: int |
     """Flat (logp [T], entropy [T] or None) of the targets and the backend that computed them."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (got {temperature})")
-    if inplace and not logits.is_contiguous():
-        raise ValueError(f"inplace_backward=True needs contiguous logits (got shape "
-                         f"{tuple(logits.shape)}, strides {logits.stride()}): the gradient would "
-                         "go into a copy; pass logits.contiguous() or inplace_backward=False")
     rows = logits.reshape(-1, logits.shape[-1])
     shard = _shard(logits, tp_group, vocab_size)
     targets = _check_targets(target_ids, shard, rows.shape[0])
     backend = resolve_backend(backend, logits.device)
+    if inplace and backend != "torch" and not logits.is_contiguous():
+        raise ValueError(f"inplace_backward=True needs contiguous logits (got shape "
+                         f"{tuple(logits.shape)}, strides {logits.stride()}): the gradient would "
+                         "go into a copy; pass logits.contiguous() or inplace_backward=False")
     if backend == "torch":
         return (*_reference_logprobs(rows, targets, shard, temperature, compute_entropy), backend)
     target_local = (targets - shard.start).contiguous()
