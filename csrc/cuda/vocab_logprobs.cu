@@ -17,7 +17,7 @@
 //
 // The same source is compiled as host C++ by the emulated-CUDA test tier (KLEAR_CUDA_EMULATION,
 // csrc/emu/cuda_emu.h; tests/cuda_emu.py). KLEAR_MUTATION=k builds plant bug k there (mutation
-// test: tests/test_cuda_emu.py); never set it for a real build.
+// test: tests/test_cuda_emu.py); a real build with it set fails to compile.
 #ifdef KLEAR_CUDA_EMULATION
 #include "emu/cuda_emu.h"
 #else
@@ -33,6 +33,9 @@
 
 #ifndef KLEAR_MUTATION
 #define KLEAR_MUTATION 0
+#endif
+#if KLEAR_MUTATION && !defined(KLEAR_CUDA_EMULATION)
+#error "KLEAR_MUTATION plants bugs: only for the emulated test builds"
 #endif
 // `code`, or planted bug number k in a KLEAR_MUTATION=k build.
 #define KLEAR_PLANTED(k, bug, code) (KLEAR_MUTATION == (k) ? (bug) : (code))
