@@ -19,6 +19,13 @@ except ImportError:  # pragma: no cover - reported to the user
              "pip install --no-build-isolation -e .")
 
 
+def _nvcc_gencode() -> list[str]:
+    """sm_80 + sm_90 machine code and compute_90 PTX (JIT-compiled by drivers of newer GPUs);
+    the one list, shared with tools/nvcc_compile_check.sh."""
+    with open(os.path.join("csrc", "cuda", "nvcc_gencode.txt")) as f:
+        return f.read().split()
+
+
 def _extensions():
     cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     if not cpp:
@@ -32,8 +39,7 @@ def _extensions():
             "megatron_klear._C", cpp + cu,
             extra_compile_args={"cxx": cxx + ["-DKLEAR_WITH_CUDA"],
                                 "nvcc": ["-O3", "-std=c++17", "-DKLEAR_WITH_CUDA",
-                                         "-gencode=arch=compute_80,code=sm_80",
-                                         "-gencode=arch=compute_90,code=sm_90"]},
+                                         *_nvcc_gencode()]},
             extra_link_args=["-fopenmp"], include_dirs=[os.path.abspath("csrc")])]
     return [CppExtension("megatron_klear._C", cpp, extra_compile_args=cxx,
                          extra_link_args=["-fopenmp"], include_dirs=[os.path.abspath("csrc")])]

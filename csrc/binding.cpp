@@ -34,28 +34,23 @@ at::Tensor stats_cpu(const at::Tensor& logits, const at::Tensor& target_local, i
   return stats;
 }
 
-const float* optional_ptr(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? t->const_data_ptr<float>() : nullptr;
-}
-
 at::Tensor backward_cpu(const at::Tensor& logits, const at::Tensor& target_local,
                         const at::Tensor& lse, const at::Tensor& entropy,
                         const at::Tensor& grad_logp, const std::optional<at::Tensor>& grad_entropy,
                         int64_t valid, double inv_temp, bool inplace) {
   klear::check_rows(logits, target_local, valid);
+  const klear::RowVectors v =
+      klear::row_vectors(logits, lse, entropy, grad_logp, grad_entropy);
   auto grad = inplace ? logits : at::empty_like(logits);
-  auto lse_c = lse.contiguous(), ent_c = entropy.contiguous(), gl = grad_logp.contiguous();
-  std::optional<at::Tensor> ge;
-  if (grad_entropy.has_value()) ge = grad_entropy->contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "klear_bwd",
                                   [&] {
     using S = storage_t<scalar_t>;
     klear::cpu::logprob_backward(reinterpret_cast<const S*>(logits.const_data_ptr()),
                                  reinterpret_cast<S*>(grad.mutable_data_ptr()), logits.size(0),
                                  logits.size(1), target_local.const_data_ptr<int64_t>(), valid,
-                                 static_cast<float>(inv_temp), lse_c.const_data_ptr<float>(),
-                                 ent_c.const_data_ptr<float>(), gl.const_data_ptr<float>(),
-                                 optional_ptr(ge));
+                                 static_cast<float>(inv_temp), v.lse.const_data_ptr<float>(),
+                                 v.entropy.const_data_ptr<float>(),
+                                 v.grad_logp.const_data_ptr<float>(), v.grad_entropy_ptr());
   });
   return grad;
 }

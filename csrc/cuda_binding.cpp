@@ -47,16 +47,15 @@ at::Tensor backward_cuda(const at::Tensor& logits, const at::Tensor& target_loca
                          double inv_temp, bool inplace) {
   klear::check_rows(logits, target_local, valid);
   const c10::cuda::CUDAGuard guard(logits.device());
+  const klear::RowVectors v =
+      klear::row_vectors(logits, lse, entropy, grad_logp, grad_entropy);
   auto grad = inplace ? logits : at::empty_like(logits);
-  auto lse_c = lse.contiguous(), ent_c = entropy.contiguous(), gl = grad_logp.contiguous();
-  std::optional<at::Tensor> ge;
-  if (grad_entropy.has_value()) ge = grad_entropy->contiguous();
   check(klear_logprob_backward_cuda(klear_dtype(logits), logits.const_data_ptr(),
                                     grad.mutable_data_ptr(), logits.size(0), logits.size(1),
                                     target_local.const_data_ptr<int64_t>(), valid,
-                                    static_cast<float>(inv_temp), lse_c.const_data_ptr<float>(),
-                                    ent_c.const_data_ptr<float>(), gl.const_data_ptr<float>(),
-                                    ge ? ge->const_data_ptr<float>() : nullptr,
+                                    static_cast<float>(inv_temp), v.lse.const_data_ptr<float>(),
+                                    v.entropy.const_data_ptr<float>(),
+                                    v.grad_logp.const_data_ptr<float>(), v.grad_entropy_ptr(),
                                     c10::cuda::getCurrentCUDAStream()),
         "logprob_backward");
   return grad;

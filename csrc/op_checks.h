@@ -4,7 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <optional>
+#include <utility>
 
 #include "policy_loss_math.h"
 
@@ -13,6 +15,9 @@ namespace klear {
 inline void check_rows(const at::Tensor& logits, const at::Tensor& target_local, int64_t valid) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(),
               "klear: logits must be a contiguous [tokens, vocab_shard] tensor");
+  TORCH_CHECK(logits.size(0) <= INT32_MAX && logits.size(1) <= INT32_MAX,
+              "klear: logits must have fewer than 2^31 rows and 2^31 columns (32-bit in-row "
+              "indices), got ", logits.sizes());
   TORCH_CHECK(target_local.scalar_type() == at::kLong && target_local.is_contiguous() &&
                   target_local.numel() == logits.size(0) &&
                   target_local.device() == logits.device(),
@@ -20,6 +25,33 @@ inline void check_rows(const at::Tensor& logits, const at::Tensor& target_local,
               "the logits' device");
   TORCH_CHECK(valid >= 0 && valid <= logits.size(1),
               "klear: valid vocab slots must be in [0, vocab_shard]");
+}
+
+// Per-row inputs of the backward, checked (float32, one value per logits row, on the logits'
+// device) and made contiguous.
+struct RowVectors {
+  at::Tensor lse, entropy, grad_logp;
+  std::optional<at::Tensor> grad_entropy;
+  const float* grad_entropy_ptr() const {
+    return grad_entropy ? grad_entropy->const_data_ptr<float>() : nullptr;
+  }
+};
+
+inline RowVectors row_vectors(const at::Tensor& logits, const at::Tensor& lse,
+                              const at::Tensor& entropy, const at::Tensor& grad_logp,
+                              const std::optional<at::Tensor>& grad_entropy) {
+  const std::pair<const char*, const at::Tensor*> inputs[] = {
+      {"lse", &lse}, {"entropy", &entropy}, {"grad_logp", &grad_logp},
+      {"grad_entropy", grad_entropy ? &*grad_entropy : &lse}};
+  for (const auto& [name, t] : inputs)
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == logits.size(0) &&
+                    t->device() == logits.device(),
+                "klear: ", name, " must be a float32 tensor with one value per logits row (",
+                logits.size(0), ") on ", logits.device(), "; got ", t->scalar_type(), " ",
+                t->sizes(), " on ", t->device());
+  RowVectors out{lse.contiguous(), entropy.contiguous(), grad_logp.contiguous(), std::nullopt};
+  if (grad_entropy) out.grad_entropy = grad_entropy->contiguous();
+  return out;
 }
 
 inline void check_tokens(const at::Tensor& logp, const at::Tensor& old_logp,

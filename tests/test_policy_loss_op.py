@@ -1,5 +1,7 @@
 """Fused policy-loss op at TP=1: every fused backend against the torch reference, plus
-hand-computed values for the GPPO/PPO table through the whole op (logits -> loss -> dlogits)."""
+hand-computed values for the GPPO/PPO table through the whole op (logits -> loss -> dlogits).
+``cuda-emu`` runs the CUDA kernel source on the CPU (tests/cuda_emu.py); vocab 320 takes its
+16-byte vector kernels, 301 its scalar fallback."""
 
 import math
 
@@ -8,6 +10,7 @@ import torch
 
 from megatron_klear.ops import policy_loss as op_module
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
+from tests.cuda_emu import backend_for
 from tests.policy_loss_cases import FUSED, assert_match, make_inputs, run_op
 
 SETTINGS = [dict(loss_type="gppo"), dict(loss_type="gppo", beta1=0.5, beta2=2.0, dual_clip=3.0),
@@ -18,8 +21,9 @@ SETTINGS = [dict(loss_type="gppo"), dict(loss_type="gppo", beta1=0.5, beta2=2.0,
 @pytest.mark.parametrize("device,backend", FUSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kw", SETTINGS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
-def test_fused_matches_reference(device, backend, dtype, kw):
-    inp = make_inputs(48, 301, vocab_size=kw.get("vocab_size"))
+@pytest.mark.parametrize("vocab", [301, 320])
+def test_fused_matches_reference(device, backend, dtype, kw, vocab):
+    inp = make_inputs(48, vocab, vocab_size=kw.get("vocab_size"))
     logits = inp["logits"].to(dtype)
     ref = run_op(inp, logits, backend="torch", device=device, **kw)
     got = run_op(inp, logits, backend=backend, device=device, **kw)
@@ -70,11 +74,12 @@ def test_gppo_table_by_hand_through_the_op(device, backend, loss_type, beta1, be
         exp_loss.append(value / len(cases))
         exp_grad.append([dlogp / len(cases) * ((j == t) - p[j]) for j in range(5)])
     logits = torch.tensor(rows, device=device, requires_grad=True)
-    out = vocab_parallel_policy_loss(
-        logits, torch.tensor(targets, device=device), torch.tensor(old, device=device),
-        torch.tensor([a for _, a, _ in cases], device=device), torch.ones(4, device=device),
-        loss_type=loss_type, beta1=beta1, beta2=beta2, dual_clip=c, backend=backend)
-    out.loss.backward()
+    with backend_for(backend) as used:
+        out = vocab_parallel_policy_loss(
+            logits, torch.tensor(targets, device=device), torch.tensor(old, device=device),
+            torch.tensor([a for _, a, _ in cases], device=device), torch.ones(4, device=device),
+            loss_type=loss_type, beta1=beta1, beta2=beta2, dual_clip=c, backend=used)
+        out.loss.backward()
     assert out.loss.item() == pytest.approx(sum(exp_loss), abs=1e-6)
     torch.testing.assert_close(logits.grad.cpu(), torch.tensor(exp_grad), rtol=1e-5, atol=1e-6)
     if loss_type == "ppo":   # clipped tokens: exactly zero gradient
@@ -88,9 +93,10 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(device, backend):
     ref = run_op(inp, inp["logits"], backend=backend, device=device)
     buf = inp["logits"].clone().to(device).requires_grad_(True)
     dev = {k: v.to(device) for k, v in inp.items()}
-    out = vocab_parallel_policy_loss(buf, dev["targets"], dev["old"], dev["adv"], dev["mask"],
-                                     backend=backend, inplace_backward=True)
-    grad, = torch.autograd.grad(out.loss + (dev["w_logp"] * out.logprobs).sum(), buf)
+    with backend_for(backend) as used:
+        out = vocab_parallel_policy_loss(buf, dev["targets"], dev["old"], dev["adv"],
+                                         dev["mask"], backend=used, inplace_backward=True)
+        grad, = torch.autograd.grad(out.loss + (dev["w_logp"] * out.logprobs).sum(), buf)
     torch.testing.assert_close(buf.detach().cpu(), grad.cpu(), rtol=0, atol=0)  # same storage
     no_ent = run_op({**inp, "w_ent": torch.zeros(16)}, inp["logits"], backend=backend,
                     device=device)
@@ -117,22 +123,28 @@ def test_logprobs_pass_matches_reference_without_grad(device, backend):
     inp = make_inputs(20, 203, vocab_size=200)
     x = inp["logits"].to(device).requires_grad_(True)
     t = inp["targets"].to(device)
-    got = vocab_parallel_logprobs(x, t, None, True, temperature=0.8, vocab_size=200,
-                                  backend=backend)
+    with backend_for(backend) as used:
+        got = vocab_parallel_logprobs(x, t, None, True, temperature=0.8, vocab_size=200,
+                                      backend=used)
+        no_entropy = vocab_parallel_logprobs(x, t, backend=used)[1]
     ref = vocab_parallel_logprobs(x, t, None, True, temperature=0.8, vocab_size=200,
                                   backend="torch")
     assert not got[0].requires_grad and not got[1].requires_grad
     for g, r in zip(got, ref):
         torch.testing.assert_close(g.cpu(), r.cpu(), rtol=1e-5, atol=1e-5)
-    assert vocab_parallel_logprobs(x, t, backend=backend)[1] is None
+    assert no_entropy is None
 
 
 def test_bad_inputs_raise_clear_errors(monkeypatch):
     inp = make_inputs(4, 10)
     args = (inp["logits"], inp["targets"], inp["old"], inp["adv"], inp["mask"])
-    with pytest.raises(ValueError, match="target_ids must be global token ids in \\[0, 8\\)"):
-        vocab_parallel_policy_loss(inp["logits"], torch.tensor([0, 1, 9, 2]), *args[2:],
-                                   vocab_size=8)
+    in_range = "target_ids must be global token ids in \\[0, 8\\)"
+    for bad in ([0, 1, 9, 2], [0, -1, 3, 2]):   # checked on the device, without a host sync
+        with pytest.raises(RuntimeError, match=in_range):
+            vocab_parallel_policy_loss(inp["logits"], torch.tensor(bad), *args[2:], vocab_size=8)
+    with pytest.raises(ValueError, match="inplace_backward=True needs contiguous logits"):
+        vocab_parallel_policy_loss(inp["logits"].t().contiguous().t(), *args[1:],
+                                   inplace_backward=True)
     with pytest.raises(ValueError, match="vocab_size=11"):
         vocab_parallel_policy_loss(*args, vocab_size=11)
     with pytest.raises(ValueError, match="advantages must be shaped"):
@@ -174,9 +186,10 @@ def test_logits_shared_with_another_loss_term(device, backend):
     for b in (backend, "torch"):
         x = inp["logits"].clone().requires_grad_(True)
         y = x * 1.0
-        out = vocab_parallel_policy_loss(y, inp["targets"], inp["old"], inp["adv"], inp["mask"],
-                                         backend=b)
-        (out.loss + 1e-3 * (y ** 2).sum()).backward()
+        with backend_for(b) as used:
+            out = vocab_parallel_policy_loss(y, inp["targets"], inp["old"], inp["adv"],
+                                             inp["mask"], backend=used)
+            (out.loss + 1e-3 * (y ** 2).sum()).backward()
         grads.append(x.grad.cpu())
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
@@ -191,3 +204,27 @@ def test_minus_inf_logits_give_finite_outputs(device, backend):
     got = run_op(inp, inp["logits"], backend=backend, device=device, temperature=0.9)
     assert_match(got, ref, torch.float32, "-inf logits")
     assert torch.count_nonzero(got["grad"][:, 40:50]) == 0
+
+
+def test_kernel_ops_check_every_input():
+    """torch.ops.klear rejects per-row inputs of the wrong size, dtype or device by name."""
+    from megatron_klear import _C  # noqa: F401  (registers torch.ops.klear)
+    ops = torch.ops.klear
+    inp = make_inputs(6, 40)
+    x, t = inp["logits"], inp["targets"]
+    stats = ops.logprob_stats(x, t, 40, 1.0)
+    lse, ent, gl = stats[:, 0].contiguous(), stats[:, 1].contiguous(), torch.ones(6)
+    assert ops.logprob_backward(x, t, lse, ent, gl, None, 40, 1.0).shape == x.shape
+    bad = {"lse": (lse[:5], ent, gl, None), "entropy": (lse, ent.double(), gl, None),
+           "grad_logp": (lse, ent, torch.ones(7), None),
+           "grad_entropy": (lse, ent, gl, torch.ones(6, dtype=torch.int32))}
+    for name, rows in bad.items():
+        for backward in (ops.logprob_backward, ops.logprob_backward_):
+            with pytest.raises(RuntimeError, match=f"klear: {name} must be a float32 tensor"):
+                backward(x.clone(), t, *rows, 40, 1.0)
+    with pytest.raises(RuntimeError, match="target_local must be a contiguous int64"):
+        ops.logprob_stats(x, t[:5], 40, 1.0)
+    with pytest.raises(RuntimeError, match="valid vocab slots"):
+        ops.logprob_stats(x, t, 41, 1.0)
+    with pytest.raises(RuntimeError, match="logits must be a contiguous"):
+        ops.logprob_stats(x.t(), t, 6, 1.0)

@@ -43,5 +43,5 @@ def _check_tp2(rank: int, world_size: int, backends: list[str]) -> list[str]:
 
 
 def test_tp2_matches_tp1_reference():
-    results = run_distributed(_check_tp2, 2, ["torch", "cpu"])
-    assert results[0] == results[1] and len(results[0]) == 2 * len(CASES)
+    results = run_distributed(_check_tp2, 2, ["torch", "cpu", "cuda-emu"])
+    assert results[0] == results[1] and len(results[0]) == 3 * len(CASES)

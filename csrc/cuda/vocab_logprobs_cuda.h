@@ -7,7 +7,11 @@
 
 #include <cstdint>
 
+#ifdef KLEAR_CUDA_EMULATION
+#include "emu/cuda_emu.h"
+#else
 #include <cuda_runtime.h>
+#endif
 
 #include "policy_loss_math.h"
 

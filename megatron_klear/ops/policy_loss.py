@@ -121,14 +121,16 @@ def _shard(logits: Tensor, tp_group, vocab_size: int | None) -> _Shard:
 
 
 def _check_targets(target_ids: Tensor, shard: _Shard, rows: int) -> Tensor:
+    """Flat int64 targets; the range check is an asynchronous device assert (no host sync)."""
     targets = target_ids.reshape(-1).long()
     if targets.numel() != rows:
         raise ValueError(f"target_ids has {targets.numel()} elements but logits have {rows} rows;"
                          " target_ids must have the logits' leading shape")
-    if targets.numel() and (targets.min() < 0 or targets.max() >= shard.vocab_size):
-        raise ValueError(f"target_ids must be global token ids in [0, {shard.vocab_size}); got "
-                         f"[{targets.min().item()}, {targets.max().item()}] (replace ignore-index "
-                         "targets by any valid id and mask them with loss_mask)")
+    if targets.numel():
+        torch._assert_async(((targets >= 0) & (targets < shard.vocab_size)).all(),
+                            f"target_ids must be global token ids in [0, {shard.vocab_size}) "
+                            "(replace ignore-index targets by any valid id and mask them with "
+                            "loss_mask)")
     return targets
 
 
@@ -176,9 +178,12 @@ def _merge_stats(stats: Tensor, group, size: int) -> tuple[Tensor, Tensor, Tenso
     if group is not None:
         parts = [torch.empty_like(stats) for _ in range(size)]
         dist.all_gather(parts, stats, group=group)
-        stats = torch.stack(parts)
-    else:
-        stats = stats[None]
+        return merge_shard_stats(torch.stack(parts))
+    return merge_shard_stats(stats[None])
+
+
+def merge_shard_stats(stats: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(lse, logp, H) [T] from the stats [TP, T, 4] of every shard, merged in rank order."""
     m, d, s, target = stats.unbind(-1)
     big_m = m.max(dim=0).values
     has = d > 0                              # shards with no real columns contribute nothing
@@ -248,6 +253,10 @@ def _logprobs(logits: Tensor, target_ids: Tensor, *, tp_group, vocab_size: int |
     shard = _shard(logits, tp_group, vocab_size)
     targets = _check_targets(target_ids, shard, rows.shape[0])
     backend = resolve_backend(backend, logits.device)
+    if inplace and backend != "torch" and not logits.is_contiguous():
+        raise ValueError(f"inplace_backward=True needs contiguous logits (got shape "
+                         f"{tuple(logits.shape)}, strides {logits.stride()}): the gradient would "
+                         "go into a copy; pass logits.contiguous() or inplace_backward=False")
     if backend == "torch":
         return (*_reference_logprobs(rows, targets, shard, temperature, compute_entropy), backend)
     target_local = (targets - shard.start).contiguous()
