@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
-import os
-import tempfile
 
 import pytest
 
@@ -32,8 +29,10 @@ from megatron_klear.config import TrainConfig
 from megatron_klear.models.qwen3 import qwen3_config_from_hf
 from megatron_klear.models.tiny import tiny_qwen3_config
 from megatron_klear.train.memory import GiB, flags_to_fit, layer_activation_elements, plan_memory
+from megatron_klear.train.sft import SFTConfig
 from megatron_klear.train.sft import memory_workload as sft_workload
 from tests.dist import run_distributed
+from tests.peak_memory import peak_allocated_bytes
 
 TOLERANCE = 0.25
 VOCAB = 500  # padded to 512: exercises the masked copy of the fp32 loss path
@@ -43,28 +42,11 @@ ARCH = qwen3_config_from_hf(tiny_qwen3_config(
 MICROBATCHES = 2  # per DP rank: stage 0 of PP2 holds two in flight
 
 
-def _cfg(tp: int, pp: int, **features) -> TrainConfig:
-    return TrainConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+def _cfg(tp: int, pp: int, **features) -> SFTConfig:
+    return SFTConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                        micro_batch_size=1, global_batch_size=MICROBATCHES, **features)
 
 
-def peak_allocated_bytes(fn) -> int:
-    """Run ``fn()`` under the profiler; the peak of the CPU allocator's live-byte total."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    # c10's running total is process-wide and keeps the bytes of tensors that an earlier
-    # profiling window allocated but freed outside any window: a constant offset, read off
-    # the first event of this window (its total before its own allocation or free).
-    base = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in mem) - base
 
 
 def _measure(rank, world, tp, pp, cases):
@@ -131,8 +113,8 @@ def _ratios(rows, **override):
         if None in peaks.values():
             continue
         world = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size
-        # the SFT trainer's loss; the measured micro-batches carry no attention mask
-        workload = dataclasses.replace(sft_workload(cfg), attention_mask=False)
+        # the SFT trainer's workload: fused loss, no attention mask (one sequence per pack)
+        workload = sft_workload(cfg)
         plan = plan_memory(ARCH, dataclasses.replace(cfg, **override), world, workload)
         for stage, peak in peaks.items():
             st = plan.stages[stage]

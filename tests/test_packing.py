@@ -5,12 +5,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_klear.data.packing import build_packed_batch, pack_bins, padding_fraction, thd_pack
 from tests.dist import free_port, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pack_bins_first_fit_decreasing_by_hand():
@@ -162,7 +165,7 @@ def test_packed_and_unpacked_logprobs_and_grads_match_tp2_pp2(hf_model):
 
 
 _MEMORY_PROBE = r"""
-import json, resource, sys, torch
+import json, sys, torch
 from megatron_klear.data.packing import thd_pack
 from megatron_klear.config import TrainConfig
 from megatron_klear.models.qwen3 import qwen3_config_from_hf
@@ -180,24 +183,28 @@ g = torch.Generator().manual_seed(0)
 seqs = [torch.randint(0, 64, (seq + 1,), generator=g).tolist() for _ in range(total // seq)]
 pack = thd_pack(seqs)
 from megatron_klear.train.engine import packed_seq_params
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-logits = model(pack["tokens"], pack["position_ids"], None,
-               packed_seq_params=packed_seq_params(pack))
-logits.float().logsumexp(-1).sum().backward()
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+from tests.peak_memory import peak_allocated_bytes
+
+
+def step():
+    logits = model(pack["tokens"], pack["position_ids"], None,
+                   packed_seq_params=packed_seq_params(pack))
+    logits.float().logsumexp(-1).sum().backward()
+
+
 print(json.dumps({"tokens": int(pack["tokens"].numel()),
-                  "peak_growth_mib": (after - before) / 1024}))
+                  "peak_growth_mib": peak_allocated_bytes(step) / 2**20}))
 """
 
 
 def test_32k_token_pack_builds_no_s_by_s_tensor():
-    """Forward + backward of one 32,768-token pack (32 sequences of 1,024) on CPU: the peak
-    RSS grows by far less than one s x s tensor would take (a bool 32K x 32K mask alone is
+    """Forward + backward of one 32,768-token pack (32 sequences of 1,024) on CPU: the peak of
+    live tensor bytes (tests/peak_memory.py) grows by far less than one s x s tensor would take (a bool 32K x 32K mask alone is
     1 GiB, fp32 scores 4 GiB per head), and 4x the tokens of an 8K pack cost ~4x, not 16x."""
     growth = {}
     for total in (8192, 32768):
         proc = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(total), "1024"],
-                              capture_output=True, text=True, timeout=300,
+                              capture_output=True, text=True, timeout=300, cwd=ROOT,
                               env=dict(os.environ, MASTER_PORT=str(free_port())))
         assert proc.returncode == 0, proc.stderr[-3000:]
         r = json.loads(proc.stdout.strip().splitlines()[-1])
