@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -250,6 +251,13 @@ def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
     assert (tmp_path / "ck" / "metrics.jsonl").exists()
 
 
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # a short-lived child already gone
+        return ""
+
+
 def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
@@ -261,11 +269,18 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            family = psutil.Process(proc.pid).children(recursive=True)
+            kinds = [_cmdline(p) for p in family]
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.01)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    # megatron's checkpoint writer (a multiprocessing Manager, started by the saves of steps
+    # 1-2) and every other child die with the trainer (checkpoint/state.py)
+    assert any("multiprocessing" in k for k in kinds), kinds
+    _, alive = psutil.wait_procs(family, timeout=20)
+    assert not alive, [p.pid for p in alive]
     subprocess.run(cli(tmp_path / "run"), check=True, env=env, capture_output=True)
     ref = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")}
     got = {r["step"]: r for r in read_metrics(metrics)}
