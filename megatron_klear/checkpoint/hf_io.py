@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ConversionError", "SafetensorsReader", "ShardPlan", "ShardWriter", "plan_shards",
-           "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir", "fsync_path",
+           "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir",
            "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -59,15 +59,6 @@ def publish_dir(tmp: Path, out_dir: Path) -> None:
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
