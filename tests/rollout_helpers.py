@@ -1,4 +1,5 @@
-"""Shared pieces of the rollout tests: a tiny HF Qwen3 checkpoint and an independent reference.
+"""Shared pieces of the rollout tests: a tiny HF Qwen3 checkpoint, an independent reference, and
+the command line of a trainer's child process (orphan checks).
 
 The reference recomputes logprobs with transformers' Qwen3ForCausalLM over the whole sequence
 in one forward pass (no KV cache, no padding, no batching), i.e. not the server's code path.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
 import torch
 
 
@@ -42,3 +44,11 @@ def reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
     for _ in range(steps):
         ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def cmdline(p: psutil.Process) -> str:
+    """A process's command line, or "" for a short-lived child that is already gone."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""

@@ -14,6 +14,7 @@ import torch
 
 from megatron_klear.train.metrics import read_metrics
 from tests.dist import run_distributed
+from tests.rollout_helpers import cmdline
 
 EPS_L, EPS_H, ALPHA = 0.2, 0.28, 0.1
 
@@ -251,13 +252,6 @@ def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
     assert (tmp_path / "ck" / "metrics.jsonl").exists()
 
 
-def _cmdline(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:  # a short-lived child already gone
-        return ""
-
-
 def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
@@ -270,7 +264,7 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
             family = psutil.Process(proc.pid).children(recursive=True)
-            kinds = [_cmdline(p) for p in family]
+            kinds = [cmdline(p) for p in family]
             proc.send_signal(signal.SIGKILL)
             break
         time.sleep(0.01)

@@ -23,7 +23,7 @@ from megatron_klear.rollout.client import RolloutClient, RolloutError, SamplingP
 from megatron_klear.rollout.launcher import (LaunchError, free_port, launch_embedded_servers,
                                              launch_sglang_servers, sglang_server_command)
 from megatron_klear.train.metrics import read_metrics
-from tests.rollout_helpers import make_tiny_model
+from tests.rollout_helpers import cmdline, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -165,13 +165,6 @@ def _wait_steps(proc: subprocess.Popen, metrics, steps: int, timeout: float = 30
     raise AssertionError(f"the run did not log {steps} step(s): {proc.poll()}")
 
 
-def _cmdline(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.NoSuchProcess:  # a short-lived child already gone
-        return ""
-
-
 def _running(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -181,7 +174,7 @@ def _running(p: psutil.Process) -> bool:
 
 def _servers_of(proc: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "megatron_klear.rollout.server" in _cmdline(p)]
+            if "megatron_klear.rollout.server" in cmdline(p)]
 
 
 def _url_of(server: psutil.Process) -> str:
@@ -228,7 +221,7 @@ def test_no_server_left_fails_clearly_resumes_and_sigkill_leaves_no_orphans(
     proc = _start(cmd)
     _wait_steps(proc, metrics, 2)
     family = psutil.Process(proc.pid).children(recursive=True)
-    kinds = [_cmdline(p) for p in family]
+    kinds = [cmdline(p) for p in family]
     assert any("megatron_klear.rewards.math" in k for k in kinds), kinds  # verifier workers
     assert any("megatron_klear.rollout.server" in k for k in kinds), kinds
     # megatron's checkpoint writer keeps a multiprocessing Manager (the saves of steps 1-2)
@@ -238,7 +231,7 @@ def test_no_server_left_fails_clearly_resumes_and_sigkill_leaves_no_orphans(
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(_running(p) for p in family):
         time.sleep(0.2)
-    left = [(p.pid, _cmdline(p)[:80]) for p in family if _running(p)]
+    left = [(p.pid, cmdline(p)[:80]) for p in family if _running(p)]
     assert left == [], f"processes outlived the SIGKILLed trainer: {left}"
 
     subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
