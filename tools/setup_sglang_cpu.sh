@@ -9,7 +9,7 @@
 #     assign_req_to_token_pool_cpu works) and the torchvision::nms/qnms schema declarations,
 #     loaded before torchvision by a .pth hook. Each names the real part it stands in for.
 # Serve with SGLANG_USE_CPU_ENGINE=1 and --device cpu --attention-backend torch_native
-# --disable-cuda-graph --disable-overlap-schedule --max-total-tokens 8192
+# --disable-cuda-graph --disable-overlap-schedule --max-total-tokens 8192 --sleep-on-idle
 # (megatron_klear/rollout/launcher.py: SGLANG_CPU_ARGS). About 70 s and 90 MB to install.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -28,9 +28,11 @@ __all__ = ["RolloutServers", "LaunchError", "launch_embedded_servers", "launch_s
 
 # Real SGLang 0.5.23 on a CPU (the .venv-sglang of tools/setup_sglang_cpu.sh): the engine flags
 # and environment that serve a tiny Qwen3 there (tests/interop/, quickstart --sglang).
+# --sleep-on-idle: without it each idle scheduler busy-polls a full core
+# (sglang/srt/managers/scheduler.py, IdleSleeper), starving every other process on 2 cores.
 SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
                    "--disable-cuda-graph", "--disable-overlap-schedule",
-                   "--max-total-tokens", "8192"]
+                   "--max-total-tokens", "8192", "--sleep-on-idle"]
 
 
 def sglang_cpu_env(tp: int = 1) -> dict[str, str]:
