@@ -22,9 +22,11 @@ struct TokenLossParams {
   int type;          // LossType
   float eps_low;     // clip below 1 - eps_low
   float eps_high;    // clip above 1 + eps_high
-  float beta1;       // GPPO gradient scale of the low case
-  float beta2;       // GPPO gradient scale of the high case
-  float dual_clip;   // c > 1 enables the dual clip; <= 0 disables it
+  float beta1;       // GPPO scale (value and gradient) of the low case
+  float beta2;       // GPPO scale (value and gradient) of the high case
+  float dual_clip;   // c > 1 caps the loss of A < 0 tokens at -c A; <= 0 disables it
+  float erc_low;     // ERC keeps the gradient where erc_low < rho < erc_high (1 -/+ delta,
+  float erc_high;    // rounded from double); erc_high <= 0 disables ERC
 };
 
 struct TokenLoss {
@@ -33,16 +35,19 @@ struct TokenLoss {
   float ratio;   // exp(logp - old_logp)
 };
 
-// One token of the GPPO table (docs/ARCHITECTURE.md); PPO zeroes the clipped gradients,
-// CISPO is -sg(clip(r)) * A * logp.
-KLEAR_HD TokenLoss token_policy_loss(float logp, float old_logp, float adv,
-                                     const TokenLossParams& p) {
-  const float r = expf(logp - old_logp);
+// ERC (arXiv 2512.05591): does the token keep its gradient? rho = (H + 1e-8) / (H_old + 1e-8).
+KLEAR_HD bool entropy_ratio_kept(float entropy, float old_entropy, const TokenLossParams& p) {
+  const float rho = (entropy + 1e-8f) / (old_entropy + 1e-8f);
+  return rho > p.erc_low && rho < p.erc_high;
+}
+
+// The surrogate of one token (GPPO table of docs/ARCHITECTURE.md, before the dual clip): PPO
+// zeroes the clipped gradients, CISPO is -sg(clip(r)) * A * logp.
+KLEAR_HD TokenLoss token_surrogate(float logp, float r, float adv, const TokenLossParams& p) {
   if (p.type == kCISPO) {
     const float w = fminf(fmaxf(r, 1.0f - p.eps_low), 1.0f + p.eps_high);
     return {-w * adv * logp, -w * adv, r};
   }
-  if (p.dual_clip > 0.0f && adv < 0.0f && r > p.dual_clip) return {-p.dual_clip * adv, 0.0f, r};
   const bool low = adv < 0.0f && r < 1.0f - p.eps_low;
   const bool high = adv > 0.0f && r > 1.0f + p.eps_high;
   if (!(low || high)) return {-r * adv, -r * adv, r};
@@ -50,6 +55,19 @@ KLEAR_HD TokenLoss token_policy_loss(float logp, float old_logp, float adv,
   if (p.type == kPPO) return {-bound * adv, 0.0f, r};
   const float beta = low ? p.beta1 : p.beta2;
   return {-beta * bound * adv, -beta * bound * adv, r};
+}
+
+// One token: the surrogate, the dual clip min(-c A, loss) for A < 0 (constant where it caps),
+// then ERC's gradient mask m l + (1 - m) sg(l) (entropies only read when ERC is on).
+KLEAR_HD TokenLoss token_policy_loss(float logp, float old_logp, float adv, float entropy,
+                                     float old_entropy, const TokenLossParams& p) {
+  TokenLoss t = token_surrogate(logp, expf(logp - old_logp), adv, p);
+  if (p.dual_clip > 0.0f && adv < 0.0f && t.loss > -p.dual_clip * adv) {
+    t.loss = -p.dual_clip * adv;
+    t.dlogp = 0.0f;
+  }
+  if (p.erc_high > 0.0f && !entropy_ratio_kept(entropy, old_entropy, p)) t.dlogp = 0.0f;
+  return t;
 }
 
 }  // namespace klear

@@ -82,7 +82,8 @@ def build(mutations: list[int] = (0,)) -> dict[int, Path]:
 class _TokenParams(ctypes.Structure):  # klear::TokenLossParams (csrc/policy_loss_math.h)
     _fields_ = [("type", ctypes.c_int), ("eps_low", ctypes.c_float),
                 ("eps_high", ctypes.c_float), ("beta1", ctypes.c_float),
-                ("beta2", ctypes.c_float), ("dual_clip", ctypes.c_float)]
+                ("beta2", ctypes.c_float), ("dual_clip", ctypes.c_float),
+                ("erc_low", ctypes.c_float), ("erc_high", ctypes.c_float)]
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -104,8 +105,8 @@ class EmulatedOps:
                                                       ptr, ptr]
         self.lib.klear_logprob_backward_cuda.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, ptr,
                                                          i64, f32, ptr, ptr, ptr, ptr, ptr]
-        self.lib.klear_token_policy_loss_cuda.argtypes = [ptr, ptr, ptr, i64, _TokenParams, ptr,
-                                                          ptr, ptr, ptr]
+        self.lib.klear_token_policy_loss_cuda.argtypes = [ptr, ptr, ptr, ptr, ptr, i64,
+                                                          _TokenParams, ptr, ptr, ptr, ptr]
         self.lib.klear_emu_set_row_window.argtypes = [i64, i64]
 
     @staticmethod
@@ -146,11 +147,20 @@ class EmulatedOps:
     def logprob_backward_(self, logits, *args):
         return self._backward(logits, logits, *args)
 
-    def token_policy_loss(self, logp, old_logp, adv, loss_type, *hyper):
+    def token_policy_loss(self, logp, old_logp, adv, entropy, old_entropy, loss_type, eps_low,
+                          eps_high, beta1, beta2, dual_clip, entropy_ratio_clip):
+        """As csrc/cuda_binding.cpp: ERC's bounds 1 -/+ delta in double, rounded to float
+        (op_checks.h token_params)."""
+        if (entropy is not None) != (entropy_ratio_clip > 0):
+            raise RuntimeError("klear: token_policy_loss needs entropy and old_entropy exactly "
+                               "when entropy_ratio_clip > 0")
+        erc = (1.0 - entropy_ratio_clip, 1.0 + entropy_ratio_clip) \
+            if entropy_ratio_clip > 0 else (0.0, -1.0)
         loss, dlogp, ratio = (torch.empty_like(logp) for _ in range(3))
+        params = _TokenParams(loss_type, eps_low, eps_high, beta1, beta2, dual_clip, *erc)
         self._check(self.lib.klear_token_policy_loss_cuda(
-            _ptr(logp), _ptr(old_logp), _ptr(adv), logp.numel(),
-            _TokenParams(loss_type, *hyper), _ptr(loss), _ptr(dlogp), _ptr(ratio), None),
+            _ptr(logp), _ptr(old_logp), _ptr(adv), _ptr(entropy), _ptr(old_entropy),
+            logp.numel(), params, _ptr(loss), _ptr(dlogp), _ptr(ratio), None),
             "token_policy_loss")
         return loss, dlogp, ratio
 

@@ -1,9 +1,8 @@
 """Fused policy-loss op at TP=1: every fused backend against the torch reference, plus
-hand-computed values for the GPPO/PPO table through the whole op (logits -> loss -> dlogits).
+hand-computed values for the GPPO / PPO / CISPO tables (dual clip, ERC) through the whole op
+(logits -> loss -> dlogits).
 ``cuda-emu`` runs the CUDA kernel source on the CPU (tests/cuda_emu.py); vocab 320 takes its
 16-byte vector kernels, 301 its scalar fallback."""
-
-import math
 
 import pytest
 import torch
@@ -11,10 +10,13 @@ import torch
 from megatron_klear.ops import policy_loss as op_module
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from tests.cuda_emu import backend_for
-from tests.policy_loss_cases import FUSED, assert_match, make_inputs, run_op
+from tests.policy_loss_cases import (FUSED, HAND_SETTINGS, assert_match, hand_table,
+                                     make_inputs, run_hand_table, run_op)
 
 SETTINGS = [dict(loss_type="gppo"), dict(loss_type="gppo", beta1=0.5, beta2=2.0, dual_clip=3.0),
             dict(loss_type="ppo", dual_clip=3.0), dict(loss_type="cispo"),
+            dict(loss_type="gppo", beta1=0.75, dual_clip=3.0, entropy_ratio_clip=0.1),
+            dict(loss_type="cispo", entropy_ratio_clip=0.1, vocab_size=250),
             dict(loss_type="gppo", temperature=0.7), dict(loss_type="gppo", vocab_size=250)]
 
 
@@ -44,47 +46,23 @@ def test_batched_shape_per_sequence_advantages_and_empty_mask(device, backend):
     assert got["loss"].item() == 0 and got["logprobs"].shape == (4, 6)
 
 
-def _hand_logp(row: list[float], target: int) -> tuple[float, list[float]]:
-    lse = math.log(sum(math.exp(v) for v in row))
-    return row[target] - lse, [math.exp(v - lse) for v in row]
-
-
 @pytest.mark.parametrize("device,backend", FUSED + [("cpu", "torch")])
-@pytest.mark.parametrize("loss_type,beta1,beta2", [("gppo", 1.0, 1.0), ("gppo", 0.5, 2.0),
-                                                   ("ppo", 1.0, 1.0)])
-def test_gppo_table_by_hand_through_the_op(device, backend, loss_type, beta1, beta2):
-    """Loss and dloss/dlogits per case of the table, from math.exp/log, not from the code."""
-    eps_l, eps_h, c = 0.2, 0.28, 3.0
-    cases = [(0.5, -1.5, "low"), (1.6, 2.0, "high"), (4.0, -0.5, "dual"), (1.1, 0.7, "in")]
-    rows = [[1.0, -0.5, 2.0, 0.25, 0.0], [0.3, 0.3, -1.0, 1.5, 2.5],
-            [-2.0, 0.0, 1.0, 0.5, 0.1], [0.0, 0.0, 0.0, 0.0, 0.0]]
-    targets = [0, 3, 2, 4]
-    old, exp_loss, exp_grad = [], [], []
-    for (r, a, case), row, t in zip(cases, rows, targets):
-        logp, p = _hand_logp(row, t)
-        old.append(logp - math.log(r))
-        bound, beta = (1 - eps_l, beta1) if case == "low" else (1 + eps_h, beta2)
-        if case == "dual":
-            value, dlogp = -c * a, 0.0
-        elif case == "in":
-            value, dlogp = -r * a, -r * a
-        else:
-            value = -bound * a * (beta if loss_type == "gppo" else 1.0)
-            dlogp = value if loss_type == "gppo" else 0.0
-        exp_loss.append(value / len(cases))
-        exp_grad.append([dlogp / len(cases) * ((j == t) - p[j]) for j in range(5)])
-    logits = torch.tensor(rows, device=device, requires_grad=True)
-    with backend_for(backend) as used:
-        out = vocab_parallel_policy_loss(
-            logits, torch.tensor(targets, device=device), torch.tensor(old, device=device),
-            torch.tensor([a for _, a, _ in cases], device=device), torch.ones(4, device=device),
-            loss_type=loss_type, beta1=beta1, beta2=beta2, dual_clip=c, backend=used)
-        out.loss.backward()
-    assert out.loss.item() == pytest.approx(sum(exp_loss), abs=1e-6)
-    torch.testing.assert_close(logits.grad.cpu(), torch.tensor(exp_grad), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("loss_type,beta1,beta2,erc", HAND_SETTINGS,
+                         ids=lambda v: str(v))
+def test_loss_table_by_hand_through_the_op(device, backend, loss_type, beta1, beta2, erc):
+    """Loss and dloss/dlogits per case of the GPPO / PPO / CISPO tables, with the dual clip and
+    ERC, from math.exp/log (tests/policy_loss_cases.hand_table), not from the code."""
+    table = hand_table(loss_type, beta1, beta2, erc)
+    loss, grad, ratio = run_hand_table(table, table["logits"], backend=backend, device=device)
+    assert loss.item() == pytest.approx(table["loss"], abs=1e-6)
+    torch.testing.assert_close(grad, table["grad"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ratio, table["ratio"])
     if loss_type == "ppo":   # clipped tokens: exactly zero gradient
-        assert torch.count_nonzero(logits.grad[:3]) == 0
-    torch.testing.assert_close(out.ratio.cpu(), torch.tensor([r for r, _, _ in cases]))
+        assert torch.count_nonzero(grad[:3]) == 0
+    if erc is not None:      # ERC's rows: exactly zero gradient; the others do get one
+        assert torch.count_nonzero(grad[[1, 3]]) == 0 and torch.count_nonzero(grad[[0, 4]]) > 0
+        no_erc = hand_table(loss_type, beta1, beta2, None)
+        assert table["loss"] == no_erc["loss"] and not torch.equal(table["grad"], no_erc["grad"])
 
 
 @pytest.mark.parametrize("device,backend", FUSED)

@@ -232,12 +232,16 @@ void logprob_backward(const T* logits, T* grad, int64_t rows, int64_t vocab,
                  lse[i], g_ent ? entropy[i] : 0.0f, g_logp[i], g_ent ? g_ent[i] : 0.0f);
 }
 
+// entropy / old_entropy may be null when ERC is off (params.erc_high <= 0).
 inline void token_policy_loss(const float* logp, const float* old_logp, const float* adv,
-                              int64_t n, const TokenLossParams& params, float* loss, float* dlogp,
+                              const float* entropy, const float* old_entropy, int64_t n,
+                              const TokenLossParams& params, float* loss, float* dlogp,
                               float* ratio) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const TokenLoss t = klear::token_policy_loss(logp[i], old_logp[i], adv[i], params);
+    const TokenLoss t = klear::token_policy_loss(logp[i], old_logp[i], adv[i],
+                                                 entropy ? entropy[i] : 0.0f,
+                                                 old_entropy ? old_entropy[i] : 0.0f, params);
     loss[i] = t.loss;
     dlogp[i] = t.dlogp;
     ratio[i] = t.ratio;

@@ -319,13 +319,17 @@ backward_vec_kernel(const T* logits, T* grad, int64_t vocab,
 
 // ------------------------------------------------------------------ token loss
 
+// entropy / old_entropy may be null when ERC is off (params.erc_high <= 0).
 __global__ void token_kernel(const float* __restrict__ logp, const float* __restrict__ old_logp,
-                             const float* __restrict__ adv, int64_t n,
+                             const float* __restrict__ adv, const float* __restrict__ entropy,
+                             const float* __restrict__ old_entropy, int64_t n,
                              klear::TokenLossParams params, float* __restrict__ loss,
                              float* __restrict__ dlogp, float* __restrict__ ratio) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const klear::TokenLoss t = klear::token_policy_loss(logp[i], old_logp[i], adv[i], params);
+  const klear::TokenLoss t = klear::token_policy_loss(
+      logp[i], old_logp[i], adv[i], entropy ? entropy[i] : 0.0f,
+      old_entropy ? old_entropy[i] : 0.0f, params);
   loss[i] = t.loss;
   dlogp[i] = t.dlogp;
   ratio[i] = t.ratio;
@@ -431,13 +435,15 @@ cudaError_t klear_logprob_backward_cuda(int dtype, const void* logits, void* gra
 }
 
 cudaError_t klear_token_policy_loss_cuda(const float* logp, const float* old_logp,
-                                         const float* adv, int64_t n,
+                                         const float* adv, const float* entropy,
+                                         const float* old_entropy, int64_t n,
                                          klear::TokenLossParams params, float* loss, float* dlogp,
                                          float* ratio, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const int threads = 256;
   KLEAR_LAUNCH(token_kernel, dim3(static_cast<unsigned>((n + threads - 1) / threads)),
-               dim3(threads), stream, logp, old_logp, adv, n, params, loss, dlogp, ratio);
+               dim3(threads), stream, logp, old_logp, adv, entropy, old_entropy, n, params, loss,
+               dlogp, ratio);
   return cudaGetLastError();
 }
 }

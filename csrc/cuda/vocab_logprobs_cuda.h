@@ -30,8 +30,10 @@ cudaError_t klear_logprob_backward_cuda(int dtype, const void* logits, void* gra
                                         const float* grad_logp, const float* grad_entropy,
                                         cudaStream_t stream);
 
+// entropy / old_entropy (ERC's per-token entropies) may be null when ERC is off.
 cudaError_t klear_token_policy_loss_cuda(const float* logp, const float* old_logp,
-                                         const float* adv, int64_t n,
+                                         const float* adv, const float* entropy,
+                                         const float* old_entropy, int64_t n,
                                          klear::TokenLossParams params, float* loss, float* dlogp,
                                          float* ratio, cudaStream_t stream);
 }

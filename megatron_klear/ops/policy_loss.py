@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_klear.algo.losses import (aggregate, check_loss_args, per_token_policy_loss,
-                                        policy_metrics)
+from megatron_klear.algo.losses import (aggregate, check_loss_args, erc_metrics,
+                                        per_token_policy_loss, policy_metrics)
 
 __all__ = ["PolicyLossOutput", "vocab_parallel_policy_loss", "vocab_parallel_logprobs",
            "available_backends", "resolve_backend"]
@@ -223,14 +223,19 @@ class _FusedLogProbs(torch.autograd.Function):
 
 
 class _FusedTokenLoss(torch.autograd.Function):
-    """Per-token policy loss kernel: (logp, old, adv) -> (loss [T], ratio [T])."""
+    """Per-token policy loss kernel: (logp, old, adv[, entropies]) -> (loss [T], ratio [T]).
+
+    ``entropies`` = (current, old) per-token entropies (detached) when ERC is on, else None.
+    """
 
     @staticmethod
-    def forward(ctx, logp: Tensor, old: Tensor, adv: Tensor, loss_type: str, hyper: tuple
-                ) -> tuple[Tensor, Tensor]:
+    def forward(ctx, logp: Tensor, old: Tensor, adv: Tensor, entropies: tuple | None,
+                loss_type: str, hyper: tuple) -> tuple[Tensor, Tensor]:
+        ent, old_ent = (None, None) if entropies is None else \
+            (e.detach().float().contiguous() for e in entropies)
         loss, dlogp, ratio = _extension_ops().token_policy_loss(
-            logp.contiguous(), old.contiguous(), adv.contiguous(), _KERNEL_LOSS_TYPES[loss_type],
-            *hyper)
+            logp.contiguous(), old.contiguous(), adv.contiguous(), ent, old_ent,
+            _KERNEL_LOSS_TYPES[loss_type], *hyper)
         ctx.save_for_backward(dlogp)
         ctx.mark_non_differentiable(ratio)
         return loss, ratio
@@ -238,7 +243,7 @@ class _FusedTokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_ratio):
         (dlogp,) = ctx.saved_tensors
-        return grad_loss * dlogp, None, None, None, None
+        return grad_loss * dlogp, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- public API
@@ -287,7 +292,8 @@ def vocab_parallel_policy_loss(
         logits: Tensor, target_ids: Tensor, old_logprobs: Tensor, advantages: Tensor,
         loss_mask: Tensor, *, loss_type: str = "gppo", eps_low: float = 0.2,
         eps_high: float = 0.28, beta1: float = 1.0, beta2: float = 1.0,
-        dual_clip: float | None = None, temperature: float = 1.0,
+        dual_clip: float | None = None, entropy_ratio_clip: float | None = None,
+        old_entropy: Tensor | None = None, temperature: float = 1.0,
         normalizer: float | Tensor | None = None, compute_entropy: bool = False, tp_group=None,
         backend: str = "auto", vocab_size: int | None = None, inplace_backward: bool = False,
 ) -> PolicyLossOutput:
@@ -296,25 +302,41 @@ def vocab_parallel_policy_loss(
     ``loss`` and ``logprobs`` are differentiable w.r.t. the logits shard (add e.g.
     ``alpha * sft_loss(out.logprobs, positive_mask)`` to the loss). ``inplace_backward=True``
     lets the fused backends write the gradient into the logits buffer (the logits must not be
-    needed after backward). See :func:`megatron_klear.algo.losses.policy_loss` for the losses.
+    needed after backward). ``entropy_ratio_clip`` (ERC's delta) needs ``old_entropy``, the
+    behaviour policy's per-token entropy at the same temperature. See
+    :func:`megatron_klear.algo.losses.policy_loss` for the losses.
     """
-    check_loss_args(loss_type, dual_clip)
+    check_loss_args(loss_type, dual_clip, entropy_ratio_clip)
+    erc = entropy_ratio_clip is not None
+    if erc and old_entropy is None:
+        raise ValueError("entropy_ratio_clip needs old_entropy (the behaviour policy's "
+                         "per-token entropy, e.g. from vocab_parallel_logprobs(..., "
+                         "compute_entropy=True))")
     lead = logits.shape[:-1]
     logp, entropy, used = _logprobs(logits, target_ids, tp_group=tp_group, vocab_size=vocab_size,
                                     temperature=temperature, backend=backend,
-                                    compute_entropy=compute_entropy, inplace=inplace_backward)
+                                    compute_entropy=compute_entropy or erc,
+                                    inplace=inplace_backward)
     old = _per_token("old_logprobs", old_logprobs, lead).float()
     adv = _per_token_advantages(advantages, lead)
     mask = _per_token("loss_mask", loss_mask, lead)
+    old_ent = _per_token("old_entropy", old_entropy, lead).float() if erc else None
+    ent = entropy.detach() if erc else None
     if used != "torch" and loss_type in _KERNEL_LOSS_TYPES:
-        hyper = (eps_low, eps_high, beta1, beta2, -1.0 if dual_clip is None else dual_clip)
-        per_token, ratio = _FusedTokenLoss.apply(logp, old, adv, loss_type, hyper)
+        hyper = (eps_low, eps_high, beta1, beta2, -1.0 if dual_clip is None else dual_clip,
+                 entropy_ratio_clip if erc else -1.0)
+        per_token, ratio = _FusedTokenLoss.apply(logp, old, adv, (ent, old_ent) if erc else None,
+                                                 loss_type, hyper)
     else:
         per_token = per_token_policy_loss(loss_type, logp, old, adv, eps_low=eps_low,
                                           eps_high=eps_high, beta1=beta1, beta2=beta2,
-                                          dual_clip=dual_clip)
+                                          dual_clip=dual_clip, entropy=ent, old_entropy=old_ent,
+                                          entropy_ratio_clip=entropy_ratio_clip)
         ratio = torch.exp(logp - old).detach()
     metrics = policy_metrics(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)
+    if erc:
+        metrics.update(erc_metrics(ent, old_ent, entropy_ratio_clip, mask))
+    entropy = entropy if compute_entropy else None
     return PolicyLossOutput(aggregate(per_token, mask, normalizer), logp.view(lead),
                             ratio.view(lead), None if entropy is None else entropy.view(lead),
                             metrics)
