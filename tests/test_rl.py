@@ -46,6 +46,8 @@ def _fixed_batch():
 
 def _hand_step(rank, world, hf_dir):
     """The trainer's loss on a fixed batch vs the GPPO table applied to HF log-probs."""
+    from dataclasses import replace
+
     from transformers import Qwen3ForCausalLM
 
     from megatron_klear.checkpoint.convert import SafetensorsReader
@@ -73,15 +75,22 @@ def _hand_step(rank, world, hf_dir):
     g = torch.Generator().manual_seed(1)
     n_tok = sum(len(r) for r in batch.response_ids)
     n_pos = sum(len(r) for r, w in zip(batch.response_ids, batch.rewards) if w >= 1.0)
-    gppo = sft = 0.0
+    # rollout log-probs = old - SHIFT[sample] on the response: sequence ratios exp(SHIFT * n)
+    # = e^0.4, e^2.4, e^-0.9, e^0.25 (responses of 4, 6, 3, 5 tokens); mis, cap 2, lower 0.5
+    # keeps samples 0 and 3 with those weights and rejects 1 and 2.
+    shift = [0.1, 0.4, -0.3, 0.05]
+    weights = [math.exp(0.4), 0.0, 0.0, math.exp(0.25)]
+    gppo = sft = corrected = 0.0
     clip_low = clip_high = 0
-    for mb in mbs:  # old log-probs = HF log-probs shifted by +-0.5 or 0 -> every GPPO case
+    for k, mb in enumerate(mbs):  # old = HF log-probs shifted by +-0.5 or 0 -> every GPPO case
         with torch.no_grad():
             logits = hf(input_ids=mb["tokens"]).logits
         logp = torch.log_softmax(logits, -1).gather(-1, mb["labels"][..., None])[..., 0]
         delta = (torch.randint(0, 3, logp.shape, generator=g) - 1) * 0.5
         mb["old_logprobs"] = logp + delta
-        mb["entropy"] = torch.zeros_like(logp)
+        mb["entropy"] = torch.zeros_like(logp)   # ERC: rho = (H + 1e-8) / 1e-8, masks all
+        rows = torch.tensor(shift[2 * k:2 * k + 2])[:, None]
+        mb["rollout_logprobs"] = mb["old_logprobs"] - rows * mb["loss_mask"]
         ratio = torch.exp(-delta)
         adv, mask = mb["advantages"], mb["loss_mask"]
         low = (adv < 0) & (ratio < 1 - EPS_L)
@@ -89,17 +98,26 @@ def _hand_step(rank, world, hf_dir):
         per_tok = torch.where(low, -(1 - EPS_L) * adv, torch.where(high, -(1 + EPS_H) * adv,
                                                                     -ratio * adv))
         gppo += float((per_tok * mask).sum()) / n_tok
+        w = torch.tensor(weights[2 * k:2 * k + 2])[:, None]
+        corrected += float((per_tok * mask * w).sum()) / n_tok
         sft += float((-logp * mask * mb["positive"]).sum()) / n_pos
         clip_low += int((low & (mask > 0)).sum())
         clip_high += int((high & (mask > 0)).sum())
     assert clip_low > 0 and clip_high > 0
     stored = engine.forward_only(mbs, policy_loss_fn(cfg, arch.vocab_size, n_tok, n_pos))
+    cfg_corr = replace(cfg, rollout_correction="mis", rollout_correction_level="sequence",
+                       rollout_correction_lower=0.5, entropy_ratio_clip=0.05)
+    stored_corr = engine.forward_only(mbs, policy_loss_fn(cfg_corr, arch.vocab_size, n_tok,
+                                                          n_pos))
     if not stored:
         return None
     got = {k: sum(float(m[k]) for m in stored) for k in stored[0]}
-    return dict(got=got, want=dict(loss=gppo + ALPHA * sft, policy=gppo, sft=sft,
-                                   clip_low=clip_low / n_tok, clip_high=clip_high / n_tok),
-                n_tok=n_tok)
+    got_corr = {k: sum(float(m[k]) for m in stored_corr) for k in stored_corr[0]}
+    return dict(got=got, got_corr=got_corr, n_tok=n_tok,
+                want=dict(loss=gppo + ALPHA * sft, policy=gppo, sft=sft, corrected=corrected,
+                          clip_low=clip_low / n_tok, clip_high=clip_high / n_tok,
+                          weight_mean=sum(w * len(r) for w, r in
+                                          zip(weights, batch.response_ids)) / n_tok))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -111,6 +129,13 @@ def test_loss_and_clip_fractions_match_hand_computation(hf_model, tp):
     assert abs(got["train/loss"] - want["loss"]) < 1e-5
     assert abs(got["train/clipfrac_low"] / n - want["clip_low"]) < 1e-6
     assert abs(got["train/clipfrac_high"] / n - want["clip_high"]) < 1e-6
+    # rollout correction (mis, sequence level) and ERC through the trainer's loss_fn
+    corr = r["got_corr"]
+    assert abs(corr["train/policy_loss"] - want["corrected"]) < 1e-5
+    assert abs(want["corrected"] - want["policy"]) > 1e-3      # the correction matters here
+    assert abs(corr["train/rollout_correction_weight_mean"] / n - want["weight_mean"]) < 1e-5
+    assert abs(corr["train/rollout_correction_rejected_frac"] / n - 9 / 18) < 1e-6
+    assert abs(corr["train/erc_clipfrac"] / n - 1.0) < 1e-6   # old entropy 0: ERC masks all
 
 
 def _long_tail_batch(n_groups=4, group=2):

@@ -17,6 +17,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.algo.losses import sft_loss
+from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
+    rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import pack_bins, thd_pack
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
@@ -54,7 +56,9 @@ class RLConfig(TrainConfig):
     rollout_top_p: float = opt(1.0, "nucleus sampling")
     rollout_urls: list[str] | None = opt(None, "existing SGLang/embedded servers (else embedded)")
     rollout_num_servers: int = opt(1, "embedded servers to start when no --rollout-urls")
-    loss_type: str = opt("gppo", "policy loss", choices=("gppo", "ppo", "cispo"))
+    loss_type: str = opt("gppo", "policy loss: gppo (CE-GPPO general beta), ppo (PPO-clip with "
+                         "Clip-Higher bounds, DAPO) or cispo (MiniMax-M1); docs/policy_loss.md",
+                         choices=("gppo", "ppo", "cispo"))
     eps_clip_low: float = opt(0.2, "lower clip epsilon")
     eps_clip_high: float = opt(0.28, "upper clip epsilon (Clip-Higher)")
     gppo_beta1: float = opt(1.0, "GPPO gradient weight of the low clip")
@@ -64,7 +68,21 @@ class RLConfig(TrainConfig):
     advantage_std_norm: bool = opt(True, "divide group advantages by the group std")
     dynamic_sampling: bool = opt(True, "drop zero-advantage groups and refill the batch")
     max_sampling_rounds: int = opt(4, "rollout rounds allowed to refill a batch")
-    tis_cap: float | None = opt(None, "truncated importance sampling cap (train/rollout ratio)")
+    entropy_ratio_clip: float | None = opt(None, "ERC delta (arXiv 2512.05591), e.g. 0.05: tokens "
+                                           "whose entropy ratio current/old policy leaves "
+                                           "(1-delta, 1+delta) pass no gradient; unset: off")
+    rollout_correction: str = opt("none", "rollout/trainer mismatch correction: truncated IS "
+                                  "(tis), masked IS (mis) or IcePop's two-sided mask (icepop); "
+                                  "docs/policy_loss.md", choices=MODES)
+    rollout_correction_level: str = opt("token", "ratio the correction uses: per token, per "
+                                        "sequence (product) or geometric (mean log-ratio of the "
+                                        "sequence)", choices=LEVELS)
+    rollout_correction_cap: float | None = opt(None, "tis truncates at it, mis/icepop reject "
+                                               "above it (default 2 for tis/mis, 5 for icepop)")
+    rollout_correction_lower: float | None = opt(None, "mis/icepop reject ratios below it "
+                                                 "(default: none for mis, 0.5 for icepop)")
+    tis_cap: float | None = opt(None, "alias of --rollout-correction tis "
+                                "--rollout-correction-level token --rollout-correction-cap C")
     weight_sync_bucket_mb: int = opt(512, "weight-sync bucket size (MiB)")
     weight_sync_format: str = opt("flattened_bucket", "one broadcast per bucket, or per tensor "
                                   "(faster over gloo on CPU: no packing copy)",
@@ -98,6 +116,10 @@ class RLConfig(TrainConfig):
             raise ConfigError("--n-samples-per-prompt must be >= 2 (group advantages)")
         if not 0 < self.eps_clip_low < 1 or self.eps_clip_high <= 0:
             raise ConfigError("--eps-clip-low must be in (0, 1) and --eps-clip-high > 0")
+        if self.entropy_ratio_clip is not None and not self.entropy_ratio_clip > 0:
+            raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
+                              f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
+        self.correction()
         if self.max_tokens_per_gpu is not None:
             if self.max_tokens_per_gpu < 2:
                 raise ConfigError(f"--max-tokens-per-gpu must be >= 2, got "
@@ -105,6 +127,27 @@ class RLConfig(TrainConfig):
             if not self.pack_sequences:
                 raise ConfigError("--max-tokens-per-gpu packs sequences; drop "
                                   "--no-pack-sequences")
+
+    def correction(self) -> RolloutCorrection | None:
+        """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
+        if self.tis_cap is not None:
+            if self.rollout_correction != "none":
+                raise ConfigError("--tis-cap C is an alias of --rollout-correction tis "
+                                  "--rollout-correction-level token --rollout-correction-cap C;"
+                                  " give one or the other")
+            if not self.tis_cap > 0:
+                raise ConfigError(f"--tis-cap must be > 0, got {self.tis_cap}")
+            return RolloutCorrection("tis", "token", self.tis_cap)
+        if self.rollout_correction == "none":
+            if self.rollout_correction_cap is not None or self.rollout_correction_lower is not None:
+                raise ConfigError("--rollout-correction-cap / --rollout-correction-lower need "
+                                  "--rollout-correction tis, mis or icepop")
+            return None
+        try:
+            return RolloutCorrection(self.rollout_correction, self.rollout_correction_level,
+                                     self.rollout_correction_cap, self.rollout_correction_lower)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 FIELDS = ("loss_mask", "advantages", "positive", "rollout_logprobs")  # per-label loss inputs
@@ -209,10 +252,21 @@ def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: 
     engine.forward_only(mbs, fwd)
 
 
+def sequence_ids(b: dict) -> torch.Tensor:
+    """Each label's sequence in a micro-batch: THD ``segment_ids`` or the row of a padded one."""
+    if "segment_ids" in b:
+        return b["segment_ids"]
+    rows = b["loss_mask"].shape[0]
+    return torch.arange(rows, device=b["loss_mask"].device)[:, None].expand_as(b["loss_mask"])
+
+
 def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: float):
-    """GPPO (or PPO/CISPO) + alpha * SFT, each a token-level mean over the mini-batch."""
+    """GPPO (or PPO/CISPO) + alpha * SFT, each a token-level mean over the mini-batch, with the
+    optional rollout correction (weights on the advantages) and ERC (old entropy per token)."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     backend = loss_backend(cfg.loss_backend)
+    correction = cfg.correction()
+    erc = cfg.entropy_ratio_clip is not None
 
     def loss_fn(logits, b):
         mask = b["loss_mask"]
@@ -220,19 +274,24 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             fill_logprobs(logits, b, vocab_size, cfg.rollout_temperature, backend)
         old = b["old_logprobs"]
         adv = b["advantages"]
-        if cfg.tis_cap is not None:  # truncated IS: correct for the rollout/trainer mismatch
-            adv = adv * torch.exp(old - b["rollout_logprobs"]).clamp(max=cfg.tis_cap) * mask
+        tokens = mask.sum()
+        metrics = {}
+        if correction is not None:  # rollout engine vs trainer mismatch
+            weights, corr = rollout_correction_weights(old, b["rollout_logprobs"], mask,
+                                                       sequence_ids(b), correction)
+            adv = adv * weights
+            metrics.update({f"train/rollout_correction_{k}": v * tokens for k, v in corr.items()})
         out = vocab_parallel_policy_loss(
             logits, b["labels"], old, adv, mask, loss_type=cfg.loss_type,
             eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, beta1=cfg.gppo_beta1,
-            beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip, temperature=cfg.rollout_temperature,
-            normalizer=max(n_tokens, 1.0), compute_entropy=False, tp_group=tp_group,
-            vocab_size=vocab_size, backend=backend,
+            beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip,
+            entropy_ratio_clip=cfg.entropy_ratio_clip, old_entropy=b["entropy"] if erc else None,
+            temperature=cfg.rollout_temperature, normalizer=max(n_tokens, 1.0),
+            compute_entropy=False, tp_group=tp_group, vocab_size=vocab_size, backend=backend,
             inplace_backward=True)  # logits are not read after backward
         sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
         loss = out.loss + cfg.sft_alpha * sft
-        tokens = mask.sum()
-        metrics = {f"train/{k}": v.detach() * tokens for k, v in out.metrics.items()}
+        metrics.update({f"train/{k}": v.detach() * tokens for k, v in out.metrics.items()})
         mismatch = ((old - b["rollout_logprobs"]).abs() * mask).sum()
         metrics.update({"train/policy_loss": out.loss.detach(), "train/sft_loss": sft.detach(),
                         "train/loss": loss.detach(), "train/tokens": tokens,
