@@ -131,6 +131,12 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         vocab_parallel_policy_loss(*args[:4], torch.ones(2, 2))
     with pytest.raises(ValueError, match="unknown policy loss"):
         vocab_parallel_policy_loss(*args, loss_type="grpo")
+    with pytest.raises(ValueError, match="entropy_ratio_clip needs old_entropy"):
+        vocab_parallel_policy_loss(*args, entropy_ratio_clip=0.05)
+    with pytest.raises(ValueError, match="entropy_ratio_clip \\(ERC delta\\) must be > 0"):
+        vocab_parallel_policy_loss(*args, entropy_ratio_clip=0.0, old_entropy=inp["old_ent"])
+    with pytest.raises(ValueError, match="old_entropy must be shaped like the targets"):
+        vocab_parallel_policy_loss(*args, entropy_ratio_clip=0.05, old_entropy=torch.ones(3))
     with pytest.raises(ValueError, match="backend must be one of"):
         vocab_parallel_policy_loss(*args, backend="triton")
     monkeypatch.setattr(op_module, "_extension_ops", lambda: None)  # as if _C were not built
@@ -206,3 +212,12 @@ def test_kernel_ops_check_every_input():
         ops.logprob_stats(x, t, 41, 1.0)
     with pytest.raises(RuntimeError, match="logits must be a contiguous"):
         ops.logprob_stats(x.t(), t, 6, 1.0)
+    tok = (torch.zeros(6), torch.zeros(6), torch.ones(6))
+    hyper = (1, 0.2, 0.28, 1.0, 1.0, -1.0)
+    assert ops.token_policy_loss(*tok, torch.ones(6), torch.ones(6), *hyper, 0.05)[0].shape == (6,)
+    with pytest.raises(RuntimeError, match="needs entropy and old_entropy exactly when"):
+        ops.token_policy_loss(*tok, None, None, *hyper, 0.05)
+    with pytest.raises(RuntimeError, match="needs entropy and old_entropy exactly when"):
+        ops.token_policy_loss(*tok, torch.ones(6), torch.ones(6), *hyper, -1.0)
+    with pytest.raises(RuntimeError, match="entropy and old_entropy must be contiguous float32"):
+        ops.token_policy_loss(*tok, torch.ones(6), torch.ones(5), *hyper, 0.05)
