@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["POLICY_LOSSES", "register_policy_loss", "per_token_policy_loss", "policy_loss",
-           "policy_metrics", "clip_cases", "check_loss_args", "entropy_ratio_mask", "erc_metrics",
-           "sft_loss", "aggregate", "masked_mean", "global_token_count"]
+           "policy_metrics", "clip_cases", "check_loss_args", "entropy_ratio", "entropy_ratio_mask",
+           "erc_metrics", "sft_loss", "aggregate", "masked_mean", "global_token_count"]
 
 PerTokenLoss = Callable[..., Tensor]
 POLICY_LOSSES: dict[str, PerTokenLoss] = {}
@@ -91,12 +91,17 @@ def clip_cases(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: floa
     return ClipCases(r, low, high)
 
 
+def entropy_ratio(entropy: Tensor, old_entropy: Tensor) -> Tensor:
+    """ERC's rho [T] = (H + 1e-8) / (H_old + 1e-8) in fp32, detached."""
+    return (entropy.detach().float() + ERC_EPS) / (old_entropy.detach().float() + ERC_EPS)
+
+
 def entropy_ratio_mask(entropy: Tensor, old_entropy: Tensor, delta: float) -> Tensor:
-    """ERC's m [T] (bool): ``1 - delta < (H + 1e-8) / (H_old + 1e-8) < 1 + delta`` in fp32.
+    """ERC's m [T] (bool): ``1 - delta < rho < 1 + delta``.
 
     torch compares fp32 with the bounds 1 -/+ delta computed in double and rounded to fp32, as
     the kernels' ``token_params`` does."""
-    rho = (entropy.detach().float() + ERC_EPS) / (old_entropy.detach().float() + ERC_EPS)
+    rho = entropy_ratio(entropy, old_entropy)
     return (rho > 1.0 - delta) & (rho < 1.0 + delta)
 
 
@@ -213,11 +218,9 @@ def erc_metrics(entropy: Tensor, old_entropy: Tensor, delta: float, loss_mask: T
                 ) -> dict[str, Tensor]:
     """ERC diagnostics: fraction of masked tokens whose gradient ERC removes, mean entropy
     ratio."""
-    with torch.no_grad():
-        rho = (entropy.float() + ERC_EPS) / (old_entropy.float() + ERC_EPS)
-        keep = entropy_ratio_mask(entropy, old_entropy, delta)
-        return {"erc_clipfrac": masked_mean((~keep).float(), loss_mask),
-                "entropy_ratio_mean": masked_mean(rho, loss_mask)}
+    keep = entropy_ratio_mask(entropy, old_entropy, delta)
+    return {"erc_clipfrac": masked_mean((~keep).float(), loss_mask),
+            "entropy_ratio_mean": masked_mean(entropy_ratio(entropy, old_entropy), loss_mask)}
 
 
 def policy_loss(name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
