@@ -303,3 +303,63 @@ def test_context_parallel_loss_and_normaliser_equal_no_cp():
             assert got["tokens"] == want["tokens"]  # the normaliser, summed over CP slices
             assert abs(got["loss"] - want["loss"]) < 1e-6, (got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) < 1e-6 * max(1, want["grad_norm"])
+
+
+# ---------------------------------------------------------------- memory plan (no processes)
+def test_memory_plan_follows_the_layout():
+    """Per-stage layers and parameters of the 94-layer example, CP halving activations,
+    interleaving's larger warm-up (hand-computed counts)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.memory import plan_memory
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    arch = qwen3_config_from_hf(load_hf_config(root / "uneven_pp_94_layers/hf_config"))
+    cfg = TrainConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=4,
+                      decoder_last_pipeline_num_layers=22, bf16=True, seq_length=4096,
+                      global_batch_size=64, transformer_impl="transformer_engine")
+    plan = plan_memory(arch, cfg, 32)
+    assert [st.layers for st in plan.stages] == [24, 24, 24, 22]
+    h, d, F, t = 4096, 128, 12288, 4
+    layer = (h * (64 + 2 * 4) * d + 64 * d * h + 3 * h * F) // t + 2 * h + 2 * d
+    assert plan.stages[1].params == 2 * 24 * layer  # bf16 bytes, no embedding or head
+    # + final norm and the output layer over the vocab padded to a multiple of 128 x TP
+    assert plan.stages[3].params == 2 * (22 * layer + h + 152064 * h // t)
+    cp2 = plan_memory(arch, replace(cfg, context_parallel_size=2), 64)
+    for a, b in zip(plan.stages, cp2.stages):
+        assert abs(b.activations - a.activations / 2) <= 1
+        assert abs(b.logits_loss - a.logits_loss / 2) <= 1
+    arch64 = qwen3_config_from_hf(load_hf_config(root / "qwen3_32b/hf_config"))  # 64 layers
+    even = replace(cfg, decoder_last_pipeline_num_layers=None, pipeline_model_parallel_size=2)
+    vpp = plan_memory(arch64, replace(even, num_layers_per_virtual_pipeline_stage=16), 16)
+    # PP2 x 2 chunks: stage i holds 2 (pp - i - 1) + (v - 1) pp + 1 chunk-micro-batches
+    assert [st.in_flight for st in vpp.stages] == [5, 3]
+    assert [st.in_flight for st in plan_memory(arch64, even, 16).stages] == [2, 1]
+
+
+def test_dry_run_checks_context_parallel_and_uneven_stages(monkeypatch, capsys):
+    from pathlib import Path
+
+    from megatron_klear.train.dry_run import dry_run
+
+    hf = Path(__file__).resolve().parents[1] / "examples/uneven_pp_94_layers/hf_config"
+    cfg = TrainConfig(hf_checkpoint=str(hf), tensor_model_parallel_size=4,
+                      pipeline_model_parallel_size=4, decoder_last_pipeline_num_layers=22,
+                      context_parallel_size=2, transformer_impl="transformer_engine",
+                      bf16=True, seq_length=4096, global_batch_size=64,
+                      use_distributed_optimizer=True)
+    cfg.validate()
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    report = dry_run(cfg)
+    assert report["data_parallel_size"] == 2  # 64 / (TP4 x PP4 x CP2)
+    assert report["pipeline_stage_layers"] == [24, 24, 24, 22] and report["memory"]["fits"]
+    monkeypatch.setenv("WORLD_SIZE", "48")
+    with pytest.raises(ConfigError, match="--context-parallel-size = 32 does not divide"):
+        dry_run(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    cfg.decoder_last_pipeline_num_layers = None
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 4 does not divide "
+                                          "num_hidden_layers=94; set --decoder-first"):
+        dry_run(cfg)

@@ -65,9 +65,9 @@ class PipelineLayout:
             raise ConfigError(f"{given} = {n - rest} must equal num_hidden_layers={n} at "
                               f"{_PP} {pp} (no middle stages)")
         if middle and (rest < middle or rest % middle):
-            raise ConfigError(f"{given} leave {rest} of num_hidden_layers={n} for the {middle} "
-                              f"other pipeline stage(s) of {_PP} {pp}; they must split evenly "
-                              "with at least one layer per stage")
+            raise ConfigError(f"with {given}, {rest} of num_hidden_layers={n} remain for the "
+                              f"{middle} other pipeline stage(s) of {_PP} {pp}; they must split "
+                              "evenly with at least one layer per stage")
 
     def _check_virtual(self) -> None:
         v = self.layers_per_virtual_stage

@@ -246,6 +246,10 @@ def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: 
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False,
                                                              vp_stage=vp_stage)
     check_memory_features(config, transformer_impl)
+    if config.context_parallel_size > 1 and transformer_impl != "transformer_engine":
+        raise ConfigError(f"--context-parallel-size {config.context_parallel_size} needs "
+                          "--transformer-impl transformer_engine (the local attention cannot "
+                          "attend across CP ranks)")
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config, transformer_impl, vp_stage),
