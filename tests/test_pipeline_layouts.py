@@ -225,9 +225,14 @@ def _vpp_parity(rank, world, ckpt_dir):
     resumed = _setup(4, 2, vpp_layers=1)
     resumed.cfg.load = ckpt_dir
     info = restore_or_init(resumed)
-    return dict(plain=plain_metrics, vpp=vpp_metrics, chunk_layers=chunk_layers,
-                resumed_iteration=info.iteration,
-                resumed=_train(resumed, STEPS - STEPS // 2))
+    out = dict(plain=plain_metrics, vpp=vpp_metrics, chunk_layers=chunk_layers,
+               resumed_iteration=info.iteration, resumed=_train(resumed, STEPS - STEPS // 2))
+    batches, loss_fn = _loss_and_batches()
+    try:  # fewer micro-batches than stages: a clear error, not megatron's assertion
+        resumed.forward_only(batches[:1], loss_fn)
+    except ValueError as exc:
+        out["too_few_error"] = str(exc)
+    return out
 
 
 def test_virtual_pipeline_matches_plain_pipeline_and_resumes(tmp_path):
@@ -243,6 +248,7 @@ def test_virtual_pipeline_matches_plain_pipeline_and_resumes(tmp_path):
         tail = r["vpp"][STEPS // 2:]
         assert [m["loss"] for m in r["resumed"]] == [m["loss"] for m in tail]
         assert [m["grad_norm"] for m in r["resumed"]] == [m["grad_norm"] for m in tail]
+        assert "at least --pipeline-model-parallel-size 2 micro-batches" in r["too_few_error"]
 
 
 # ---------------------------------------------------------------- CP reductions (2 ranks)

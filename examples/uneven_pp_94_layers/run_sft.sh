@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SFT of a 94-layer model with uneven pipeline stages (PP4: 24 + 24 + 24 + 22 layers) on
 # 4 nodes x 8 GPUs (TP4 x PP4 x DP2). Run on every node:
-#   NNODES=4 NODE_RANK=<i> MASTER_ADDR=<node0> MODEL=<hf dir> bash examples/uneven_pp_94_layers/run_sft.sh
+#   NNODES=4 NODE_RANK=<i> MASTER_ADDR=<node0> MODEL=<hf dir> \
+#     bash examples/uneven_pp_94_layers/run_sft.sh
 # Add --dry-run to validate the layout and print its per-GPU memory plan on any machine
 # (without MODEL it plans the dense stand-in in hf_config/). Not run on GPUs here.
 HERE=$(cd "$(dirname "$0")" && pwd)

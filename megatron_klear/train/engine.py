@@ -120,6 +120,12 @@ class Engine:
 
             return logits, loss_func
 
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if len(self.model) > 1 and len(microbatches) < pp:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage: interleaving needs at "
+                             f"least --pipeline-model-parallel-size {pp} micro-batches per "
+                             f"step, got {len(microbatches)}; raise the batch size or drop "
+                             "interleaving")
         b, s = schedule_shape(microbatches, self.transformer_config)
         s //= cp
         # interleaving: every model chunk reads the micro-batches through its own iterator
