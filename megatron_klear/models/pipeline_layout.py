@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_klear.config import ConfigError
+from megatron_klear.config import ConfigError, TrainConfig
 
 __all__ = ["PipelineLayout"]
 
@@ -35,7 +35,7 @@ class PipelineLayout:
     layers_per_virtual_stage: int | None = None
 
     @classmethod
-    def from_config(cls, num_layers: int, cfg: Any) -> "PipelineLayout":
+    def from_config(cls, num_layers: int, cfg: TrainConfig) -> "PipelineLayout":
         """The layout of a TrainConfig's pipeline flags for a model of ``num_layers``."""
         return cls(num_layers, cfg.pipeline_model_parallel_size,
                    cfg.decoder_first_pipeline_num_layers, cfg.decoder_last_pipeline_num_layers,
