@@ -77,6 +77,16 @@ class TrainConfig:
                                     "extension lacks CUDA), cpu kernel on CPU",
                             choices=("auto", "cuda", "cpu", "torch"))
     gpu_memory_gb: float = opt(80.0, "per-GPU memory the --dry-run memory plan must fit")
+    # larger-model layouts (issue 15): uneven and interleaved pipeline stages, context parallel
+    decoder_first_pipeline_num_layers: int | None = opt(
+        None, "decoder layers of the first pipeline stage (uneven PP; the rest split evenly)")
+    decoder_last_pipeline_num_layers: int | None = opt(
+        None, "decoder layers of the last pipeline stage (uneven PP; the rest split evenly)")
+    num_layers_per_virtual_pipeline_stage: int | None = opt(
+        None, "layers per model chunk: interleaved 1F1B with (layers per stage / this) chunks")
+    context_parallel_size: int = opt(1, "context-parallel size: each rank of the CP group "
+                                        "holds 1/cp of every sequence (needs "
+                                        "--transformer-impl transformer_engine)")
     # batch
     micro_batch_size: int = opt(1, "sequences per micro-batch")
     global_batch_size: int = opt(8, "sequences per optimizer step (across data-parallel ranks)")
@@ -108,7 +118,7 @@ class TrainConfig:
         """Raise :class:`ConfigError` naming the flag of the first inconsistent value."""
         positive = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                     "micro_batch_size", "global_batch_size", "seq_length", "keep_last",
-                    "gpu_memory_gb")
+                    "gpu_memory_gb", "context_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -125,6 +135,19 @@ class TrainConfig:
             raise ConfigError(f"--lr-warmup-iters {self.lr_warmup_iters} must be smaller than "
                               f"--lr-decay-iters {self.decay_iters}")
         self._validate_memory_features()
+        self._validate_context_parallel()
+
+    def _validate_context_parallel(self) -> None:
+        """CP needs TE attention and sequences that split into 2 x cp load-balanced chunks."""
+        cp = self.context_parallel_size
+        if cp > 1 and self.transformer_impl != "transformer_engine":
+            raise ConfigError(f"--context-parallel-size {cp} needs --transformer-impl "
+                              "transformer_engine (the local attention cannot attend across "
+                              "CP ranks)")
+        if cp > 1 and self.seq_length % (2 * cp):
+            raise ConfigError(f"--context-parallel-size {cp} needs --seq-length "
+                              f"{self.seq_length} to be a multiple of 2 x {cp} (load-balanced "
+                              "chunks)")
 
     def _validate_memory_features(self) -> None:
         """Sequence parallel, recompute and distributed-optimizer flags that contradict."""
@@ -164,15 +187,23 @@ class TrainConfig:
         return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
 
     def data_parallel_size(self, world_size: int) -> int:
-        """DP size for a world size; raises when TP x PP does not divide it."""
-        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """DP size for a world size; raises when TP x PP x CP does not divide it."""
+        pp = self.pipeline_model_parallel_size
+        mp = self.tensor_model_parallel_size * pp * self.context_parallel_size
         if world_size % mp:
-            raise ConfigError(f"--tensor-model-parallel-size x --pipeline-model-parallel-size = "
-                              f"{mp} does not divide the number of processes ({world_size})")
+            raise ConfigError(f"--tensor-model-parallel-size x --pipeline-model-parallel-size x "
+                              f"--context-parallel-size = {mp} does not divide the number of "
+                              f"processes ({world_size})")
         dp = world_size // mp
         if self.global_batch_size % (self.micro_batch_size * dp):
             raise ConfigError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
                               f"--micro-batch-size x data-parallel size ({self.micro_batch_size} x {dp})")
+        microbatches = self.global_batch_size // (self.micro_batch_size * dp)
+        if self.num_layers_per_virtual_pipeline_stage and microbatches < pp:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage needs at least "
+                              f"--pipeline-model-parallel-size {pp} micro-batches per step, got "
+                              f"{microbatches} (--global-batch-size / (--micro-batch-size x "
+                              f"data-parallel size {dp}))")
         return dp
 
 

@@ -41,7 +41,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Platform", "setup", "cuda_available", "device", "backend", "is_emulated",
+__all__ = ["Platform", "setup", "cuda_available", "device", "backend", "batch_p2p_comm",
+           "is_emulated",
            "DeviceMismatchError", "STRICT_ENV"]
 
 STRICT_ENV = "KLEAR_STRICT_DEVICES"
@@ -67,6 +68,15 @@ def device() -> torch.device:
 def backend() -> str:
     """torch.distributed backend: nccl on CUDA, gloo otherwise."""
     return "nccl" if cuda_available() else "gloo"
+
+
+def batch_p2p_comm() -> bool:
+    """megatron's ``batch_p2p_comm`` for pipeline sends: batched on NCCL, single isend/irecv
+    on gloo. Measured: with interleaved stages at PP2 (the previous and the next stage are
+    the same rank), gloo's ``batch_isend_irecv`` delivered one micro-batch's tensor in
+    place of another's (wrong losses from the third micro-batch on); unbatched ops are
+    exact (tests/test_pipeline_layouts.py)."""
+    return backend() == "nccl"
 
 
 def _redirect(dev):

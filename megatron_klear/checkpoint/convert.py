@@ -256,10 +256,12 @@ def _write_hf_shard(out: Path, plan: ShardPlan, sources: dict[str, torch_dist_io
 
 # ---------------------------------------------------------------- parity
 @torch.no_grad()
-def megatron_logits(model: torch.nn.Module, arch: qwen3.Qwen3Arch,
+def megatron_logits(model: torch.nn.Module | list[torch.nn.Module], arch: qwen3.Qwen3Arch,
                     input_ids: torch.Tensor) -> torch.Tensor | None:
     """Full-vocab fp32 logits [b, s, vocab] on the last pipeline stage (every TP rank of
-    it), None on other stages. Runs megatron's forward-only pipeline schedule."""
+    it), None on other stages. Runs megatron's forward-only pipeline schedule over the
+    model chunk(s) (the interleaved schedule wants at least PP micro-batches: the same
+    ids are then fed PP times)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -271,9 +273,12 @@ def megatron_logits(model: torch.nn.Module, arch: qwen3.Qwen3Arch,
         out = chunk(next(data_iterator), positions, attention_mask=None)
         return out, lambda t: (t.sum() * 0, {"logits": t})
 
+    chunks = model if isinstance(model, list) else [model]
+    n = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    data = [iter([input_ids] * n) for _ in chunks] if len(chunks) > 1 else iter([input_ids])
     results = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([input_ids]), model=[model],
-        num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True)
+        forward_step_func=forward_step, data_iterator=data, model=chunks,
+        num_microbatches=n, seq_length=s, micro_batch_size=b, forward_only=True)
     if not ps.is_pipeline_last_stage():
         return None
     logits = gather_from_tensor_model_parallel_region(results[0]["logits"])

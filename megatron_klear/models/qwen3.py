@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_block import (LayerNormImpl,
 
 from megatron_klear.config import ConfigError
 from megatron_klear.models.norms import norm_specs
+from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.varlen_attention import VarlenCoreAttention
 
 try:  # Transformer Engine is optional (GPU only)
@@ -116,17 +117,21 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return int(math.ceil(vocab_size / step) * step)
 
 
-def check_parallel_layout(arch: Qwen3Arch, tp: int, pp: int) -> None:
-    """Raise :class:`ConfigError` naming the flag when TP/PP cannot split this model."""
+def check_parallel_layout(arch: Qwen3Arch, tp: int, pp: int,
+                          layout: PipelineLayout | None = None) -> PipelineLayout:
+    """The pipeline layout (default: even stages); raises :class:`ConfigError` naming the
+    flag when TP/PP cannot split this model."""
     if arch.num_attention_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide "
                           f"num_attention_heads={arch.num_attention_heads}")
     if arch.num_query_groups % tp:
         raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide "
                           f"num_key_value_heads={arch.num_query_groups}")
-    if arch.num_layers % pp:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide "
-                          f"num_hidden_layers={arch.num_layers}")
+    layout = layout or PipelineLayout(arch.num_layers, pp)
+    if (layout.num_layers, layout.pp) != (arch.num_layers, pp):
+        raise ConfigError(f"pipeline layout of {layout.num_layers} layers at PP {layout.pp} "
+                          f"does not match the model ({arch.num_layers} layers, PP {pp})")
+    return layout
 
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -158,11 +163,12 @@ def layer_spec(transformer_impl: str = "local") -> ModuleSpec:
     return spec
 
 
-def block_spec(config: TransformerConfig, transformer_impl: str = "local"
-               ) -> TransformerBlockSubmodules:
-    """This pipeline stage's layers plus the final norm (the local spec's must support SP)."""
+def block_spec(config: TransformerConfig, transformer_impl: str = "local",
+               vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """This pipeline stage's (model chunk's) layers plus the final norm (the local spec's
+    must support SP)."""
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(transformer_impl)] * get_num_layers_to_build(config),
+        layer_specs=[layer_spec(transformer_impl)] * get_num_layers_to_build(config, vp_stage),
         layer_norm=LayerNormImpl if transformer_impl == "transformer_engine" else norm_specs()[0])
 
 
@@ -179,9 +185,10 @@ def check_memory_features(config: TransformerConfig, transformer_impl: str) -> N
 
 def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
                        params_dtype: torch.dtype = torch.float32,
+                       layout: PipelineLayout | None = None,
                        **overrides: Any) -> TransformerConfig:
-    """The megatron-core TransformerConfig of a Qwen3 model at a TP/PP layout."""
-    check_parallel_layout(arch, tp, pp)
+    """The megatron-core TransformerConfig of a Qwen3 model at a TP/PP (``layout``) split."""
+    layout = check_parallel_layout(arch, tp, pp, layout)
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -205,7 +212,7 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        **layout.transformer_config_fields(),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -228,17 +235,24 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
 
 
 def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: bool | None = None,
-                    post_process: bool | None = None, transformer_impl: str = "local") -> GPTModel:
-    """One pipeline stage of the Qwen3 GPTModel, built on the device (stage flags default to
-    this rank's)."""
+                    post_process: bool | None = None, transformer_impl: str = "local",
+                    vp_stage: int | None = None) -> GPTModel:
+    """One pipeline stage (model chunk ``vp_stage`` with interleaving) of the Qwen3
+    GPTModel, built on the device (stage flags default to this rank's)."""
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                             vp_stage=vp_stage)
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage()
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                             vp_stage=vp_stage)
     check_memory_features(config, transformer_impl)
+    if config.context_parallel_size > 1 and transformer_impl != "transformer_engine":
+        raise ConfigError(f"--context-parallel-size {config.context_parallel_size} needs "
+                          "--transformer-impl transformer_engine (the local attention cannot "
+                          "attend across CP ranks)")
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, transformer_impl),
+        transformer_layer_spec=block_spec(config, transformer_impl, vp_stage),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -247,4 +261,5 @@ def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: 
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="yarn" if arch.rope_scaling else "rope",
         rotary_base=int(arch.rope_theta),
+        vp_stage=vp_stage,
     )

@@ -89,8 +89,8 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]],
     return torch.cat(parts, out=out)
 
 
-def trainer_sequence_logprobs(model: torch.nn.Module, arch, input_ids: list[int]
-                              ) -> torch.Tensor | None:
+def trainer_sequence_logprobs(model: torch.nn.Module | list[torch.nn.Module], arch,
+                              input_ids: list[int]) -> torch.Tensor | None:
     """The trainer's fp32 logprobs of tokens 1..L-1 of ``input_ids`` (last PP stage; else None).
 
     Collective over the model-parallel group (runs megatron's forward-only schedule).

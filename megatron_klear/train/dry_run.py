@@ -1,7 +1,8 @@
 """``--dry-run``: validate a launch without GPUs or data and print its memory plan.
 
-Checks the DP size against the launch (``WORLD_SIZE``), the TP/PP split against the model
-(when ``--hf-checkpoint``'s config.json is on this machine), and plans per-GPU memory with
+Checks the DP size against the launch (``WORLD_SIZE``), the TP/PP/CP split (uneven and
+interleaved stages included) against the model (when ``--hf-checkpoint``'s config.json
+is on this machine), and plans per-GPU memory with
 :mod:`megatron_klear.train.memory`. A plan that does not fit ``--gpu-memory-gb`` fails with
 a :class:`~megatron_klear.config.ConfigError` naming the flags that would make it fit.
 """
@@ -13,6 +14,7 @@ import os
 from pathlib import Path
 
 from megatron_klear.config import TrainConfig, to_dict
+from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import check_parallel_layout, load_hf_config, \
     qwen3_config_from_hf
 from megatron_klear.train.memory import Workload, check_fits, plan_memory
@@ -23,14 +25,17 @@ __all__ = ["dry_run"]
 def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
     """Print the config and the dry-run report (JSON); raise when the plan does not fit."""
     world = int(os.environ.get("WORLD_SIZE", cfg.tensor_model_parallel_size *
-                               cfg.pipeline_model_parallel_size))
+                               cfg.pipeline_model_parallel_size * cfg.context_parallel_size))
     report: dict = {"world_size": world, "data_parallel_size": cfg.data_parallel_size(world)}
     plan = arch = None
     if cfg.hf_checkpoint and (Path(cfg.hf_checkpoint) / "config.json").is_file():
         arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
-        check_parallel_layout(arch, cfg.tensor_model_parallel_size,
-                              cfg.pipeline_model_parallel_size)
+        layout = check_parallel_layout(arch, cfg.tensor_model_parallel_size,
+                                       cfg.pipeline_model_parallel_size,
+                                       PipelineLayout.from_config(arch.num_layers, cfg))
         report["model"] = f"{arch.num_layers} layers, hidden {arch.hidden_size}"
+        report["pipeline_stage_layers"] = list(layout.stage_layers)
+        report["model_chunks_per_stage"] = layout.num_model_chunks
         workload = workload or Workload(cfg.seq_length)
         plan = plan_memory(arch, cfg, world, workload)
         report["memory"] = {**plan.as_dict(), "gpu_memory_gb": cfg.gpu_memory_gb,

@@ -18,11 +18,14 @@ from megatron.core import parallel_state
 
 from megatron_klear import platform
 from megatron_klear.config import TrainConfig
+from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import Qwen3Arch, build_gpt_model, transformer_config
 from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
+from megatron_klear.train.context_parallel import slice_batch
 
 
-def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> platform.Platform:
+def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int | None = None,
+                        cp: int = 1) -> platform.Platform:
     """Initialise torch.distributed from the torchrun environment and megatron's parallel state.
 
     Works under torchrun (env://) and when the default group already exists (tests).
@@ -38,13 +41,15 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> platform.
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(plat.backend)
     world = dist.get_world_size()
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         raise ValueError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
-                         f" does not divide the world size {world}")
+                         f" x --context-parallel-size {cp} does not divide the world size {world}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             context_parallel_size=cp)
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return plat
@@ -92,15 +97,20 @@ class Engine:
         micro-batch's share of the mini-batch loss, already divided by the GLOBAL
         normaliser (all micro-batches, all DP ranks): summing the shares gives the
         mini-batch loss. The engine undoes megatron's averaging over micro-batches and DP
-        ranks so that the gradient is exactly that of the mini-batch loss. Returns the
+        ranks so that the gradient is exactly that of the mini-batch loss. With context
+        parallelism each CP rank sees (and ``loss_fn`` scores) its slice of every sequence
+        (:mod:`~megatron_klear.train.context_parallel`); megatron multiplies the loss by the
+        CP size and DDP averages over DP x CP, which cancel. Returns the
         per-micro-batch metrics on the last pipeline stage (an empty list elsewhere).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         scale = len(microbatches) * parallel_state.get_data_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
+        cp_rank = parallel_state.get_context_parallel_rank()
 
         def forward_step(data_iterator, model):
-            batch = to_device(next(data_iterator))
+            batch = slice_batch(to_device(next(data_iterator)), cp, cp_rank)
             logits = model(batch["tokens"], batch["position_ids"], None,
                            packed_seq_params=packed_seq_params(batch))
 
@@ -110,9 +120,19 @@ class Engine:
 
             return logits, loss_func
 
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if len(self.model) > 1 and len(microbatches) < pp:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage: interleaving needs at "
+                             f"least --pipeline-model-parallel-size {pp} micro-batches per "
+                             f"step, got {len(microbatches)}; raise the batch size or drop "
+                             "interleaving")
         b, s = schedule_shape(microbatches, self.transformer_config)
+        s //= cp
+        # interleaving: every model chunk reads the micro-batches through its own iterator
+        data = [iter(microbatches) for _ in self.model] if len(self.model) > 1 \
+            else iter(microbatches)
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.model,
+            forward_step_func=forward_step, data_iterator=data, model=self.model,
             num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
             forward_only=forward_only)
 
@@ -197,7 +217,8 @@ def schedule_shape(microbatches: list[MicroBatch], config) -> tuple[int, int]:
 
 
 def sum_metrics(per_microbatch: list[dict]) -> dict[str, float]:
-    """Sum scalar metrics over micro-batches and DP ranks, then share them with every rank."""
+    """Sum scalar metrics over micro-batches and DP (x CP) ranks, then share them with every
+    rank."""
     totals: dict[str, float] = {}
     for m in per_microbatch:
         for k, v in m.items():
@@ -207,7 +228,8 @@ def sum_metrics(per_microbatch: list[dict]) -> dict[str, float]:
     if keys:
         vec = torch.tensor([totals[k] for k in keys], dtype=torch.float64,
                            device=platform.device())
-        dist.all_reduce(vec, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(vec, group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
         totals = dict(zip(keys, vec.tolist()))
     return broadcast_from_last_stage(totals)
 
@@ -224,15 +246,18 @@ def broadcast_from_last_stage(obj: Any) -> Any:
 
 
 def data_parallel_all_reduce(value: float | torch.Tensor) -> torch.Tensor:
-    """Sum a number over data-parallel ranks (global token counts for the loss normaliser)."""
+    """Sum a number over data-parallel ranks (global token counts for the loss normaliser;
+    the CP ranks of a DP rank hold the same full micro-batches, so CP is not summed)."""
     t = torch.as_tensor(value, dtype=torch.float64).to(platform.device(), copy=True)
     dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
     return t
 
 
 def model_features(cfg: TrainConfig) -> dict[str, Any]:
-    """TransformerConfig fields of the sequence-parallel and recompute flags."""
-    features: dict[str, Any] = {"sequence_parallel": cfg.sequence_parallel}
+    """TransformerConfig fields of the sequence-parallel and recompute flags (and the
+    platform's pipeline send mode)."""
+    features: dict[str, Any] = {"sequence_parallel": cfg.sequence_parallel,
+                                "batch_p2p_comm": platform.batch_p2p_comm()}
     if cfg.recompute_granularity:
         features.update(recompute_granularity=cfg.recompute_granularity,
                         recompute_method=cfg.recompute_method,
@@ -243,21 +268,28 @@ def model_features(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> list[torch.nn.Module]:
-    """The model chunks of this rank, built on the device, optionally wrapped in megatron DDP."""
+    """The model chunks of this rank (one per virtual pipeline stage), built on the device,
+    optionally wrapped in megatron DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    layout = PipelineLayout.from_config(arch.num_layers, cfg)
     tconf = transformer_config(arch, tp=cfg.tensor_model_parallel_size,
                                pp=cfg.pipeline_model_parallel_size, params_dtype=dtype,
+                               layout=layout, context_parallel_size=cfg.context_parallel_size,
                                **model_features(cfg))
-    chunks = [build_gpt_model(arch, tconf, transformer_impl=cfg.transformer_impl)]
+    chunks = [build_gpt_model(arch, tconf, transformer_impl=cfg.transformer_impl,
+                              vp_stage=i if layout.virtual_size else None)
+              for i in range(layout.num_model_chunks)]
     if not wrap_ddp:
         return chunks
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
         overlap_param_gather=cfg.overlap_param_gather,
         use_distributed_optimizer=cfg.use_distributed_optimizer)
-    return [DistributedDataParallel(config=tconf, ddp_config=ddp_cfg, module=c) for c in chunks]
+    return [DistributedDataParallel(config=tconf, ddp_config=ddp_cfg, module=c,
+                                    disable_bucketing=i > 0)  # as megatron-LM does for chunks
+            for i, c in enumerate(chunks)]
 
 
 def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
@@ -295,7 +327,8 @@ def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = Tr
     """Initialise parallel state (if needed) and build the model, optimizer and schedule."""
     if not parallel_state.model_parallel_is_initialized():
         initialize_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                            cfg.seed)
+                            cfg.seed, cp=cfg.context_parallel_size,
+                            vpp=PipelineLayout.from_config(arch.num_layers, cfg).virtual_size)
     if dist.is_initialized():
         cfg.data_parallel_size(dist.get_world_size())
     model = build_model(arch, cfg, wrap_ddp=with_optimizer)

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, replace
 
 from megatron_klear.config import ConfigError, TrainConfig
+from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import padded_vocab_size
 
 __all__ = ["Workload", "StagePlan", "MemoryPlan", "plan_memory", "flags_to_fit", "check_fits",
@@ -57,7 +58,7 @@ class StagePlan:
 
     stage: int
     layers: int
-    in_flight: int  # micro-batches whose activations the 1F1B schedule holds at once
+    in_flight: int  # micro-batches (per model chunk when interleaved) the schedule holds at once
     params: int
     grads: int
     optimizer: int
@@ -136,9 +137,9 @@ def _layer_params(arch, t: int) -> int:
     return (qkv + proj + mlp) // t + 2 * h + 2 * d  # norms are replicated
 
 
-def _stage_params(arch, t: int, pp: int, stage: int) -> int:
+def _stage_params(arch, t: int, pp: int, stage: int, layers: int) -> int:
     vocab = padded_vocab_size(arch.vocab_size, t) * arch.hidden_size // t
-    n = arch.num_layers // pp * _layer_params(arch, t)
+    n = layers * _layer_params(arch, t)
     if stage == 0:
         n += vocab
     if stage == pp - 1:
@@ -202,7 +203,7 @@ def _activation_bytes(arch, cfg: TrainConfig, w: Workload, layers: int, in_fligh
     t = cfg.tensor_model_parallel_size
     sp = t if cfg.sequence_parallel else 1
     e = _act_bytes(cfg)
-    tokens = w.seq_length * cfg.micro_batch_size
+    tokens = w.seq_length * cfg.micro_batch_size / cfg.context_parallel_size  # CP: a slice
     scores = tokens * 4 * arch.num_attention_heads * w.seq_length / t \
         if cfg.transformer_impl == "local" else 0.0
 
@@ -250,31 +251,39 @@ def _logits_loss_bytes(arch, cfg: TrainConfig, w: Workload) -> int:
     per_entry = e
     if not w.fused_loss:
         per_entry += (4 if e != 4 else 0) + (4 if vpad != arch.vocab_size else 0)
-    return int(w.seq_length * cfg.micro_batch_size * vpad / t * per_entry)
+    return int(w.seq_length * cfg.micro_batch_size / cfg.context_parallel_size * vpad / t *
+               per_entry)
 
 
 def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | None = None
                 ) -> MemoryPlan:
     """Per-stage peak bytes of a run of ``cfg`` on ``world_size`` GPUs (see module doc).
 
-    ``arch`` is a :class:`~megatron_klear.models.qwen3.Qwen3Arch`. 1F1B pipelining: stage
-    ``i`` of ``pp`` holds ``min(pp - i, num_microbatches)`` micro-batches of activations.
+    ``arch`` is a :class:`~megatron_klear.models.qwen3.Qwen3Arch`. Stage layers follow the
+    pipeline layout (uneven first/last stages). 1F1B pipelining: stage ``i`` of ``pp``
+    holds ``min(pp - i, num_microbatches)`` micro-batches of activations; interleaved
+    (``v`` model chunks per stage), megatron's warm-up keeps ``2 (pp - i - 1) + (v - 1) pp
+    + 1`` chunk-micro-batches of ``layers / v`` layers each (``in_flight`` counts those).
+    Context parallelism divides every activation and the logits by the CP size.
     """
+
     w = workload or Workload(cfg.seq_length)
     t, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     dp = cfg.data_parallel_size(world_size)
     m = cfg.global_batch_size // (cfg.micro_batch_size * dp)
     p_b, g_b, o_b = model_state_bytes_per_param(cfg, dp)
-    layers = arch.num_layers // pp
+    layout = PipelineLayout.from_config(arch.num_layers, cfg)
+    v = layout.num_model_chunks
     stages = []
-    for i in range(pp):
-        n = _stage_params(arch, t, pp, i)
-        in_flight = min(pp - i, m)
-        saved, working = _activation_bytes(arch, cfg, w, layers, in_flight, i, pp)
+    for i, layers in enumerate(layout.stage_layers):
+        n = _stage_params(arch, t, pp, i, layers)
+        in_flight = min(pp - i, m) if v == 1 else min(2 * (pp - i - 1) + (v - 1) * pp + 1,
+                                                      m * v)
+        saved, working = _activation_bytes(arch, cfg, w, layers // v, in_flight, i, pp)
         stages.append(StagePlan(
             stage=i, layers=layers, in_flight=in_flight, params=int(n * p_b),
             grads=int(n * g_b), optimizer=int(n * o_b), activations=saved,
-            attention_mask=in_flight * cfg.micro_batch_size * w.seq_length ** 2
+            attention_mask=math.ceil(in_flight / v) * cfg.micro_batch_size * w.seq_length ** 2
             if w.attention_mask else 0,
             logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,
             backward_working=working))

@@ -432,7 +432,7 @@ def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> di
     metrics = dict(sync.sync(weight_version=version))
     if cfg.probe_weights:
         probe_ids = list(range(1, min(engine.arch.vocab_size, 33)))
-        trainer_lp = trainer_sequence_logprobs(engine.model[0], engine.arch, probe_ids)
+        trainer_lp = trainer_sequence_logprobs(engine.model, engine.arch, probe_ids)
         asks = trainer_lp is not None and parallel_state.get_tensor_model_parallel_rank() == 0
         probe = (sync.probe(probe_ids, trainer_lp), float(trainer_lp.mean())) if asks else None
         held = [None] * torch.distributed.get_world_size()  # one rank asked: share its answer

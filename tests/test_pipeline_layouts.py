@@ -1,0 +1,371 @@
+"""Larger-model layouts (issue 15): uneven and interleaved pipeline stages, context parallel.
+
+* Uneven PP: 3- and 5-layer models at PP2 match the unsplit model (logits, training losses,
+  grad norms); the HF mapping (conversion / weight sync) and checkpoints carry the
+  stage-local layer offsets (HF weights load into PP2, a PP2 checkpoint loads at PP1).
+* VPP: two model chunks per stage (interleaved 1F1B) train like PP2 without interleaving,
+  and a VPP checkpoint resumes bit-exactly.
+* CP: the load-balanced slicing round-trips, and a CP=2 run's losses, token normaliser and
+  gradients equal the CP=1 run's (position-wise model: attention across CP ranks is
+  Transformer Engine's, GPU only).
+"""
+
+import pytest
+import torch
+
+from megatron_klear.config import ConfigError, TrainConfig
+from megatron_klear.models.pipeline_layout import PipelineLayout
+from megatron_klear.train.context_parallel import (slice_batch, slice_for_cp_rank,
+                                                   unslice_from_cp_ranks)
+from tests.dist import run_distributed
+from tests.test_engine import VOCAB, _make_batches
+
+STEPS = 4
+
+
+# ---------------------------------------------------------------- layouts (no processes)
+@pytest.mark.parametrize("n,pp,first,last,want", [
+    (3, 2, 2, None, (2, 1)), (5, 2, None, 2, (3, 2)), (94, 4, None, 22, (24, 24, 24, 22)),
+    (28, 8, 2, 2, (2, 4, 4, 4, 4, 4, 4, 2)), (8, 4, None, None, (2, 2, 2, 2))])
+def test_stage_layers_match_megatron(n, pp, first, last, want):
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_klear.models.qwen3 import qwen3_config_from_hf, transformer_config
+    from megatron_klear.models.tiny import tiny_qwen3_config
+
+    layout = PipelineLayout(n, pp, first, last)
+    assert layout.stage_layers == want and sum(want) == n
+    arch = qwen3_config_from_hf(tiny_qwen3_config(num_hidden_layers=n))
+    conf = transformer_config(arch, pp=pp, layout=layout)
+    assert tuple(get_num_layers_to_build(conf, pp_rank=r) for r in range(pp)) == want
+    offsets = [get_transformer_layer_offset(conf, pp_rank=r) for r in range(pp)]
+    assert offsets == [sum(want[:r]) for r in range(pp)]
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(num_layers=3, pp=2), "--decoder-first-pipeline-num-layers"),
+    (dict(num_layers=3, pp=2, first=2, last=2), "--decoder-last-pipeline-num-layers 2"),
+    (dict(num_layers=10, pp=4, first=3), "must split evenly"),
+    (dict(num_layers=4, pp=1, last=2), "needs --pipeline-model-parallel-size > 1"),
+    (dict(num_layers=4, pp=2, first=0), "--decoder-first-pipeline-num-layers must be >= 1"),
+    (dict(num_layers=4, pp=2, layers_per_virtual_stage=2), "at least 2 model chunks"),
+    (dict(num_layers=6, pp=2, last=2, layers_per_virtual_stage=1), "cannot be combined"),
+])
+def test_layout_errors_name_the_flags(kwargs, flag):
+    with pytest.raises(ConfigError, match=flag):
+        PipelineLayout(**kwargs)
+
+
+def test_config_errors_name_the_flags():
+    with pytest.raises(ConfigError, match="--transformer-impl transformer_engine"):
+        TrainConfig(context_parallel_size=2).validate()
+    with pytest.raises(ConfigError, match="--seq-length 6 to be a multiple of 2 x 2"):
+        TrainConfig(context_parallel_size=2, transformer_impl="transformer_engine",
+                    seq_length=6).validate()
+    with pytest.raises(ConfigError, match="--context-parallel-size = 8 does not divide"):
+        TrainConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                    context_parallel_size=2).data_parallel_size(12)
+    with pytest.raises(ConfigError, match="at least --pipeline-model-parallel-size 4 micro"):
+        TrainConfig(pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1,
+                    global_batch_size=2).data_parallel_size(4)
+
+
+# ---------------------------------------------------------------- CP slicing (no processes)
+def test_cp_slicing_is_load_balanced_and_round_trips():
+    t = torch.arange(2 * 16).reshape(2, 16)
+    s = [slice_for_cp_rank(t, 2, r) for r in range(2)]
+    # 4 chunks of 4: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert s[0][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert s[1][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for cp in (1, 2, 4):
+        x = torch.randn(3, 32, 5)
+        parts = [slice_for_cp_rank(x, cp, r) for r in range(cp)]
+        assert all(p.shape == (3, 32 // cp, 5) for p in parts)
+        assert torch.equal(unslice_from_cp_ranks(parts), x)
+    batch = {"tokens": t, "loss_mask": t.float(), "scalar": 3, "cu": torch.zeros(2)}
+    got = slice_batch(batch, 2, 1)
+    assert torch.equal(got["tokens"], s[1]) and got["scalar"] == 3 and got["cu"].shape == (2,)
+    with pytest.raises(ValueError, match="multiple of 2 x context-parallel size 4"):
+        slice_for_cp_rank(t[:, :12], 4, 0)
+    with pytest.raises(ValueError, match="packed"):
+        slice_batch({**batch, "cu_seqlens": torch.tensor([0, 16])}, 2, 0)
+
+
+# ---------------------------------------------------------------- multi-rank parity
+def _setup(layers: int, pp: int, tp: int = 1, *, first=None, last=None, vpp_layers=None,
+           cp: int = 1, lr: float = 3e-3):
+    """A fresh engine (parallel state re-initialised) for a tiny ``layers``-layer Qwen3."""
+    from megatron_klear.models.qwen3 import qwen3_config_from_hf
+    from megatron_klear.models.tiny import tiny_qwen3_config
+    from megatron_klear.train.engine import build_engine, initialize_parallel
+
+    arch = qwen3_config_from_hf(tiny_qwen3_config(vocab_size=VOCAB, num_hidden_layers=layers))
+    cfg = TrainConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=lr,
+                      global_batch_size=8, micro_batch_size=2, train_iters=STEPS, seed=11,
+                      decoder_first_pipeline_num_layers=first,
+                      decoder_last_pipeline_num_layers=last,
+                      num_layers_per_virtual_pipeline_stage=vpp_layers,
+                      context_parallel_size=cp)
+    layout = PipelineLayout.from_config(layers, cfg)
+    initialize_parallel(tp, pp, cfg.seed, vpp=layout.virtual_size, cp=cp)
+    return build_engine(cfg, arch)
+
+
+def _loss_and_batches():
+    from megatron.core import parallel_state as ps
+
+    from megatron_klear.train.token_loss import token_nll
+
+    batches, total = _make_batches(ps.get_data_parallel_rank(),
+                                   ps.get_data_parallel_world_size())
+
+    def loss_fn(logits, b):
+        nll = (token_nll(logits, b["labels"], VOCAB) * b["loss_mask"]).sum() / total
+        return nll, {"loss": nll.detach(), "tokens": b["loss_mask"].sum()}
+
+    return batches, loss_fn
+
+
+def _train(eng, steps):
+    batches, loss_fn = _loss_and_batches()
+    return [eng.train_step(batches, loss_fn) for _ in range(steps)]
+
+
+def _full_hf(eng) -> dict:
+    """The whole model's HF state dict on every rank (stages gathered over PP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_klear.checkpoint.hf_bridge import hf_state_dict_from_megatron
+
+    eng.gather_params()
+    mine = hf_state_dict_from_megatron(eng.model, eng.arch)
+    parts = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def _logits(eng):
+    from megatron_klear.checkpoint.convert import megatron_logits
+    from megatron_klear.train.engine import broadcast_from_last_stage
+
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    return broadcast_from_last_stage(megatron_logits(eng.model, eng.arch, ids))
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    """Max |a - b| over the tensors of two HF state dicts (inf when their names differ)."""
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _uneven_parity(rank, world, ckpt_root):
+    """Per model: PP1 (DP2) reference, then PP2 uneven from its HF weights, then the PP2
+    checkpoint back at PP1. Returns numbers only (tensors do not survive the rank's exit)."""
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.checkpoint.state import load_checkpoint, save_checkpoint
+
+    out = {}
+    for layers, first, last in ((3, 2, None), (5, None, 2)):
+        ref = _setup(layers, 1)
+        init = _full_hf(ref)
+        ref_logits, ref_metrics = _logits(ref), _train(ref, STEPS)
+        pp2 = _setup(layers, 2, first=first, last=last)
+        load_hf_weights(pp2.model, pp2.arch, init)
+        pp2.optimizer.reload_model_params()
+        init_diff = _max_diff(_full_hf(pp2), init)
+        logits_diff = float((_logits(pp2) - ref_logits).abs().max())
+        metrics = _train(pp2, STEPS)
+        trained = _full_hf(pp2)
+        save_checkpoint(f"{ckpt_root}/{layers}", STEPS, pp2.model)
+        stage_layers = [layer.layer_number for layer in pp2.model[0].module.decoder.layers]
+        back = _setup(layers, 1)
+        load_checkpoint(f"{ckpt_root}/{layers}", back.model, load_rng=False)
+        out[layers] = dict(ref_metrics=ref_metrics, metrics=metrics, init_diff=init_diff,
+                           logits_diff=logits_diff, stage_layers=stage_layers,
+                           ckpt_diff=_max_diff(_full_hf(back), trained))
+    return out
+
+
+def test_uneven_pipeline_matches_unsplit(tmp_path):
+    results = run_distributed(_uneven_parity, 2, str(tmp_path))
+    for rank, res in enumerate(results):
+        for layers, want_local in ((3, ([1, 2], [3])), (5, ([1, 2, 3], [4, 5]))):
+            r = res[layers]
+            assert r["stage_layers"] == want_local[rank]  # global layer numbers of the stage
+            assert r["init_diff"] == 0.0  # HF -> PP2 -> HF is exact (the one mapping)
+            assert r["logits_diff"] < 1e-5
+            ref = r["ref_metrics"]
+            assert ref[-1]["loss"] < ref[0]["loss"]  # the reference trains
+            for got, want in zip(r["metrics"], ref):
+                assert abs(got["loss"] - want["loss"]) < 1e-5, (layers, got, want)
+                assert abs(got["grad_norm"] - want["grad_norm"]) < 1e-5 * max(1, want["grad_norm"])
+                assert got["tokens"] == want["tokens"]
+            assert r["ckpt_diff"] == 0.0  # the PP2 checkpoint loads at PP1 exactly
+
+
+def _vpp_parity(rank, world, ckpt_dir):
+    """PP2 without interleaving, then PP2 x VPP2 from its weights, then a VPP resume."""
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.train.engine import restore_or_init
+
+    plain = _setup(4, 2)
+    init = _full_hf(plain)
+    plain_metrics = _train(plain, STEPS)
+    vpp = _setup(4, 2, vpp_layers=1)
+    load_hf_weights(vpp.model, vpp.arch, init)
+    vpp.optimizer.reload_model_params()
+    chunk_layers = [[layer.layer_number for layer in c.module.decoder.layers] for c in vpp.model]
+    first = _train(vpp, STEPS // 2)
+    vpp.cfg.save = ckpt_dir
+    vpp.save(STEPS // 2, {})
+    vpp_metrics = first + _train(vpp, STEPS - STEPS // 2)
+    resumed = _setup(4, 2, vpp_layers=1)
+    resumed.cfg.load = ckpt_dir
+    info = restore_or_init(resumed)
+    out = dict(plain=plain_metrics, vpp=vpp_metrics, chunk_layers=chunk_layers,
+               resumed_iteration=info.iteration, resumed=_train(resumed, STEPS - STEPS // 2))
+    batches, loss_fn = _loss_and_batches()
+    try:  # fewer micro-batches than stages: a clear error, not megatron's assertion
+        resumed.forward_only(batches[:1], loss_fn)
+    except ValueError as exc:
+        out["too_few_error"] = str(exc)
+    return out
+
+
+def test_virtual_pipeline_matches_plain_pipeline_and_resumes(tmp_path):
+    results = run_distributed(_vpp_parity, 2, str(tmp_path / "ckpt"))
+    # interleaving: stage 0 holds layers 1 and 3, stage 1 layers 2 and 4 (one per chunk)
+    assert [r["chunk_layers"] for r in results] == [[[1], [3]], [[2], [4]]]
+    for r in results:
+        assert r["plain"][-1]["loss"] < r["plain"][0]["loss"]
+        for got, want in zip(r["vpp"], r["plain"]):
+            assert abs(got["loss"] - want["loss"]) < 1e-5, (got, want)
+            assert abs(got["grad_norm"] - want["grad_norm"]) < 1e-5 * max(1, want["grad_norm"])
+        assert r["resumed_iteration"] == STEPS // 2
+        tail = r["vpp"][STEPS // 2:]
+        assert [m["loss"] for m in r["resumed"]] == [m["loss"] for m in tail]
+        assert [m["grad_norm"] for m in r["resumed"]] == [m["grad_norm"] for m in tail]
+        assert "at least --pipeline-model-parallel-size 2 micro-batches" in r["too_few_error"]
+
+
+# ---------------------------------------------------------------- CP reductions (2 ranks)
+class PositionwiseLM(torch.nn.Module):
+    """Embedding -> SiLU MLP -> vocab projection, each token on its own.
+
+    Stands in for megatron's GPTModel (megatron/core/models/gpt/gpt_model.py), whose
+    attention across CP ranks needs Transformer Engine: without token mixing, slicing the
+    sequence changes nothing but which rank scores which token, which is what the engine's
+    CP slicing, loss shares, metric sums and DDP gradient reduction must get right.
+    """
+
+    def __init__(self, config, vocab: int, hidden: int = 32):
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mlp = torch.nn.Linear(hidden, hidden)
+        self.out = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens, position_ids, attention_mask, packed_seq_params=None):
+        return self.out(torch.nn.functional.silu(self.mlp(self.embed(tokens))))
+
+    def set_input_tensor(self, tensor):  # the schedule's hook (one stage: unused)
+        pass
+
+
+def _cp_run(cp: int):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_klear.train.engine import Engine, build_optimizer, initialize_parallel
+
+    initialize_parallel(1, 1, 11, cp=cp)
+    cfg = TrainConfig(lr=3e-3, global_batch_size=8, micro_batch_size=2, seed=11,
+                      context_parallel_size=cp)
+    tconf = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=1,
+                              context_parallel_size=cp)
+    torch.manual_seed(5)
+    module = PositionwiseLM(tconf, VOCAB)
+    model = [DistributedDataParallel(config=tconf, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True), module=module)]
+    eng = Engine(cfg=cfg, arch=None, model=model)
+    eng.optimizer, eng.scheduler = build_optimizer(model, cfg)
+    return _train(eng, STEPS)
+
+
+def _cp_parity(rank, world):
+    return dict(cp1=_cp_run(1), cp2=_cp_run(2))  # CP1: DP2 on these 2 ranks; CP2: DP1
+
+
+def test_context_parallel_loss_and_normaliser_equal_no_cp():
+    for r in run_distributed(_cp_parity, 2):
+        assert r["cp1"][-1]["loss"] < r["cp1"][0]["loss"]
+        for got, want in zip(r["cp2"], r["cp1"]):
+            assert got["tokens"] == want["tokens"]  # the normaliser, summed over CP slices
+            assert abs(got["loss"] - want["loss"]) < 1e-6, (got, want)
+            assert abs(got["grad_norm"] - want["grad_norm"]) < 1e-6 * max(1, want["grad_norm"])
+
+
+# ---------------------------------------------------------------- memory plan (no processes)
+def test_memory_plan_follows_the_layout():
+    """Per-stage layers and parameters of the 94-layer example, CP halving activations,
+    interleaving's larger warm-up (hand-computed counts)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.memory import plan_memory
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    arch = qwen3_config_from_hf(load_hf_config(root / "uneven_pp_94_layers/hf_config"))
+    cfg = TrainConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=4,
+                      decoder_last_pipeline_num_layers=22, bf16=True, seq_length=4096,
+                      global_batch_size=64, transformer_impl="transformer_engine")
+    plan = plan_memory(arch, cfg, 32)
+    assert [st.layers for st in plan.stages] == [24, 24, 24, 22]
+    h, d, F, t = 4096, 128, 12288, 4
+    layer = (h * (64 + 2 * 4) * d + 64 * d * h + 3 * h * F) // t + 2 * h + 2 * d
+    assert plan.stages[1].params == 2 * 24 * layer  # bf16 bytes, no embedding or head
+    # + final norm and the output layer over the vocab padded to a multiple of 128 x TP
+    assert plan.stages[3].params == 2 * (22 * layer + h + 152064 * h // t)
+    cp2 = plan_memory(arch, replace(cfg, context_parallel_size=2), 64)
+    for a, b in zip(plan.stages, cp2.stages):
+        assert abs(b.activations - a.activations / 2) <= 1
+        assert abs(b.logits_loss - a.logits_loss / 2) <= 1
+    arch64 = qwen3_config_from_hf(load_hf_config(root / "qwen3_32b/hf_config"))  # 64 layers
+    even = replace(cfg, decoder_last_pipeline_num_layers=None, pipeline_model_parallel_size=2)
+    vpp = plan_memory(arch64, replace(even, num_layers_per_virtual_pipeline_stage=16), 16)
+    # PP2 x 2 chunks: stage i holds 2 (pp - i - 1) + (v - 1) pp + 1 chunk-micro-batches
+    assert [st.in_flight for st in vpp.stages] == [5, 3]
+    assert [st.in_flight for st in plan_memory(arch64, even, 16).stages] == [2, 1]
+
+
+def test_dry_run_checks_context_parallel_and_uneven_stages(monkeypatch, capsys):
+    from pathlib import Path
+
+    from megatron_klear.train.dry_run import dry_run
+
+    hf = Path(__file__).resolve().parents[1] / "examples/uneven_pp_94_layers/hf_config"
+    cfg = TrainConfig(hf_checkpoint=str(hf), tensor_model_parallel_size=4,
+                      pipeline_model_parallel_size=4, decoder_last_pipeline_num_layers=22,
+                      context_parallel_size=2, transformer_impl="transformer_engine",
+                      bf16=True, seq_length=4096, global_batch_size=64,
+                      use_distributed_optimizer=True)
+    cfg.validate()
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    report = dry_run(cfg)
+    assert report["data_parallel_size"] == 2  # 64 / (TP4 x PP4 x CP2)
+    assert report["pipeline_stage_layers"] == [24, 24, 24, 22] and report["memory"]["fits"]
+    monkeypatch.setenv("WORLD_SIZE", "48")
+    with pytest.raises(ConfigError, match="--context-parallel-size = 32 does not divide"):
+        dry_run(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    cfg.decoder_last_pipeline_num_layers = None
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 4 does not divide "
+                                          "num_hidden_layers=94; set --decoder-first"):
+        dry_run(cfg)
