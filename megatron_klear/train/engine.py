@@ -18,12 +18,17 @@ from megatron.core import parallel_state
 
 from megatron_klear import platform
 from megatron_klear.config import TrainConfig
-from megatron_klear.models.qwen3 import Qwen3Arch, build_gpt_model, transformer_config
+from megatron_klear.models.qwen3 import (Qwen3Arch, build_gpt_model, moe_config_kwargs,
+                                         transformer_config)
 from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
 
 
-def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> platform.Platform:
+def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, ep: int = 1,
+                        etp: int | None = None) -> platform.Platform:
     """Initialise torch.distributed from the torchrun environment and megatron's parallel state.
+
+    ``ep`` / ``etp``: expert-parallel and expert-tensor-parallel sizes (MoE; megatron carves
+    the EP group out of the data-parallel ranks).
 
     Works under torchrun (env://) and when the default group already exists (tests).
     Seeds python, numpy, torch and megatron's model-parallel RNG tracker.
@@ -44,7 +49,9 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> platform.
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return plat
@@ -242,6 +249,13 @@ def model_features(cfg: TrainConfig) -> dict[str, Any]:
     return features
 
 
+def moe_features(arch: Qwen3Arch, cfg: TrainConfig) -> dict[str, Any]:
+    """TransformerConfig fields of the MoE flags ({} for a dense model)."""
+    return moe_config_kwargs(arch, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp,
+                             dispatcher=cfg.moe_token_dispatcher_type,
+                             aux_loss_coeff=cfg.moe_aux_loss_coeff)
+
+
 def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> list[torch.nn.Module]:
     """The model chunks of this rank, built on the device, optionally wrapped in megatron DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -249,7 +263,7 @@ def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     tconf = transformer_config(arch, tp=cfg.tensor_model_parallel_size,
                                pp=cfg.pipeline_model_parallel_size, params_dtype=dtype,
-                               **model_features(cfg))
+                               **model_features(cfg), **moe_features(arch, cfg))
     chunks = [build_gpt_model(arch, tconf, transformer_impl=cfg.transformer_impl)]
     if not wrap_ddp:
         return chunks
@@ -295,7 +309,7 @@ def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = Tr
     """Initialise parallel state (if needed) and build the model, optimizer and schedule."""
     if not parallel_state.model_parallel_is_initialized():
         initialize_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                            cfg.seed)
+                            cfg.seed, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp)
     if dist.is_initialized():
         cfg.data_parallel_size(dist.get_world_size())
     model = build_model(arch, cfg, wrap_ddp=with_optimizer)
