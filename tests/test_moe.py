@@ -250,3 +250,48 @@ def test_rl_trains_at_ep2_against_embedded_server(hf_dirs, tmp_path):
         assert m["weight_sync/bytes"] == _safetensors_bytes(hf_dirs["main"])
     assert abs(hist[0]["weight_sync/probe_logprob_mean"] -
                hist[1]["weight_sync/probe_logprob_mean"]) > 1e-5  # the weights moved
+
+
+# ---------------------------------------------------------------- dry run / memory plan
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "qwen3_30b_a3b"
+
+
+def _train_cfg(*extra: str) -> TrainConfig:
+    """The example's parallel and memory flags (rl.yaml's RL-only keys left out)."""
+    return parse_config(TrainConfig, [
+        "--hf-checkpoint", str(EXAMPLE / "hf_config"), "--tensor-model-parallel-size", "4",
+        "--sequence-parallel", "--expert-model-parallel-size", "8",
+        "--expert-tensor-parallel-size", "1", "--bf16", "--global-batch-size", "128",
+        "--seq-length", "10240", "--transformer-impl", "transformer_engine", *extra])
+
+
+def test_memory_plan_counts_this_ranks_experts():
+    """Qwen3-30B-A3B at TP4 EP8 ETP1 on 8 GPUs: per GPU 16 of 128 experts per layer, the
+    attention split 4 ways, the router replicated (hand count from config.json)."""
+    from megatron_klear.train.memory import plan_memory
+
+    arch = _arch(EXAMPLE / "hf_config")
+    h, layers = 2048, 48
+    attn = (h * (32 + 2 * 4) * 128 + 32 * 128 * h) // 4
+    experts = 16 * 3 * h * 768
+    per_layer = attn + experts + 128 * h + 2 * h + 2 * 128
+    vocab = 152064 * h // 4  # vocab padded to a multiple of 128 x TP
+    want = layers * per_layer + 2 * vocab + h
+    plan = plan_memory(arch, _train_cfg(), 8)
+    assert plan.stages[0].params == 2 * want  # bf16
+    # fp32 Adam state (12 B) of the experts is not sharded: expert-DP is 1 at EP8 on 8 GPUs
+    dist_opt = plan_memory(arch, _train_cfg("--use-distributed-optimizer"), 8).stages[0]
+    assert dist_opt.optimizer == pytest.approx(12 * layers * experts +
+                                               6 * (want - layers * experts), rel=1e-6)
+
+
+def test_dry_run_rejects_expert_layouts_that_do_not_split(monkeypatch, capsys):
+    from megatron_klear.train.dry_run import dry_run
+
+    monkeypatch.setenv("WORLD_SIZE", "12")  # EP3 fits 12 GPUs but not 128 experts
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 3 does not divide "
+                                          "num_experts=128"):
+        dry_run(_train_cfg("--expert-model-parallel-size", "3", "--global-batch-size", "6"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size x"):
+        dry_run(_train_cfg("--expert-tensor-parallel-size", "4"))  # 8 x 4 > 8 GPUs
