@@ -215,8 +215,9 @@ def report(work: Path, shard: int, repeat: int, model: str = "dense") -> None:
         same = same and bitwise_equal(work / "hf", work / "back")
     med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
     base = med["plain safetensors read+write"]
-    shape = "Qwen3-MoE (16 experts x 192) of" if model == "moe" else "Qwen3-0.6B"
-    print(f"model: {shape} shape, bf16, {total / 1e9:.2f} GB in "
+    shape = "Qwen3-MoE (16 experts x 192 per layer) of Qwen3-0.6B's bytes" \
+        if model == "moe" else "Qwen3-0.6B shape"
+    print(f"model: {shape}, bf16, {total / 1e9:.2f} GB in "
           f"{len(list((work / 'hf').glob('*.safetensors')))} shards, largest "
           f"{largest / 1e9:.2f} GB, one layer {layer / 1e6:.1f} MB; import RSS floor "
           f"{floor / 1e9:.2f} GB; {repeat} interleaved rounds; round trip bitwise identical: "

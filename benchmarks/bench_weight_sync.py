@@ -151,8 +151,9 @@ def main() -> None:
         model_dir = _write_model_dir(Path(tmp), args.num_layers, args.model)
         nbytes = _hf_bytes(model_dir)
         runs = run(model_dir, args)
-    shape = "Qwen3-MoE (16 experts x 192) of" if args.model == "moe" else "Qwen3-0.6B"
-    print(f"model: {shape} shape, {args.num_layers} layers, bf16, {nbytes / 1e9:.3f} GB; "
+    shape = "Qwen3-MoE (16 experts x 192 per layer) of Qwen3-0.6B's bytes" \
+        if args.model == "moe" else "Qwen3-0.6B shape"
+    print(f"model: {shape}, {args.num_layers} layers, bf16, {nbytes / 1e9:.3f} GB; "
           f"bucket {args.bucket_mb} MiB; {args.repeats} (sync, raw) pairs after a warm-up")
     print(f"export_hf_weights alone (no transfer): {min(runs.pop('export only')):.3f} s (best)")
     for fmt, pairs in runs.items():
