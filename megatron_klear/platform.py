@@ -311,7 +311,9 @@ def _patch_megatron_moe(emulated: bool) -> None:
       are CUDA tensors (``moe_utils.maybe_move_tensor_to_cpu``); on the CPU they would stay
       tensors, and torch's ``all_to_all_single`` rejects tensor split sizes ("incompatible
       function arguments"). The emulation converts CPU tensors too, so the dispatcher sees
-      what it sees on a GPU.
+      what it sees on a GPU; it never records a stream (``Tensor.record_stream`` needs a
+      real CUDA stream, and the emulated streams differ from each other, so the dispatcher
+      would ask for it in strict device mode).
     """
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -322,7 +324,7 @@ def _patch_megatron_moe(emulated: bool) -> None:
     original = moe_utils.maybe_move_tensor_to_cpu
 
     def to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
-        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        out = original(tensor, as_numpy=as_numpy, record_stream=False)
         return out.numpy() if as_numpy and torch.is_tensor(out) else out
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_cpu

@@ -232,12 +232,12 @@ def _ep() -> tuple[int, int, object]:
             ps.get_expert_model_parallel_group())
 
 
-def _hf_names(rule: Rule, layer: int | None, local_expert: int | None, ep_rank: int,
+def _hf_names(rule: Rule, layer: int | None, local_expert: int | None,
               arch: Qwen3Arch) -> list[str]:
-    """The HF names of ``rule`` for a layer and (experts) a local expert of an EP rank."""
+    """The HF names of ``rule`` for a layer and (experts) a local expert of this EP rank."""
     if not rule.expert:
         return [t.format(i=layer) for t in rule.hf]
-    ep = _ep()[0]
+    ep, ep_rank, _ = _ep()
     e = ep_rank * (arch.num_experts // ep) + local_expert
     return [t.format(i=layer, e=e) for t in rule.hf]
 
@@ -264,7 +264,7 @@ def param_rules(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
             groups = match.groupdict()
             layer = _global_layer(model, int(groups["j"])) if "j" in groups else None
             local = int(groups["k"]) if "k" in groups else None
-            hf = _hf_names(rule, layer, local, _ep()[1], arch)
+            hf = _hf_names(rule, layer, local, arch)
             if hf == ["lm_head.weight"] and arch.tie_word_embeddings:
                 hf = ["model.embed_tokens.weight"]  # last-stage copy of the tied embedding
             yield name, param, rule, hf

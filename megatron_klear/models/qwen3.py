@@ -40,7 +40,8 @@ try:  # Transformer Engine is optional (GPU only)
 except Exception:  # pragma: no cover - TE is never importable on the CPU CI machine
     HAVE_TE = False
 
-__all__ = ["Qwen3Arch", "qwen3_config_from_hf", "moe_config_kwargs", "MOE_DISPATCHERS", "load_hf_config", "padded_vocab_size",
+__all__ = ["Qwen3Arch", "qwen3_config_from_hf", "moe_config_kwargs", "moe_experts_at",
+           "MOE_DISPATCHERS", "load_hf_config", "padded_vocab_size",
            "layer_spec", "block_spec", "transformer_config", "TRANSFORMER_IMPLS",
            "check_memory_features", "build_gpt_model", "HAVE_TE", "ConfigError"]
 
