@@ -1,5 +1,9 @@
 """Benchmark HF <-> Megatron conversion on a Qwen3-0.6B-shaped model (random bf16, ~1.2 GB).
 
+``--model moe``: the same bytes as a Qwen3-MoE (each layer's MLP split into 16 experts of
+width 192, top-4, plus a router), so MoE and dense numbers compare per byte: 16x more, 16x
+smaller MLP tensors per layer.
+
 Measured side by side in one run, each step in a fresh process (so peak RSS is per step),
 the steps interleaved and repeated ``--repeat`` times (the machine is shared: medians):
 
@@ -36,18 +40,28 @@ QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                   vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0,
                   tie_word_embeddings=True, torch_dtype="bfloat16")
+# Qwen3-MoE with Qwen3-0.6B's bytes: 16 experts x 192 = the dense 3072-wide MLP
+MOE_SAME_BYTES = dict(QWEN3_0_6B, num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=192, norm_topk_prob=True, mlp_only_layers=[])
 
 
-def make_hf_model(out: Path, shard_bytes: int) -> int:
-    """Write random bf16 weights of a Qwen3-0.6B-shaped model in shards; return total bytes."""
+def model_config(model: str) -> dict:
+    """The HF config.json of ``--model`` (dense Qwen3-0.6B shape, or its MoE twin)."""
+    from megatron_klear.models.tiny import tiny_qwen3_config, tiny_qwen3_moe_config
+
+    return tiny_qwen3_moe_config(**MOE_SAME_BYTES) if model == "moe" else \
+        tiny_qwen3_config(**QWEN3_0_6B)
+
+
+def make_hf_model(out: Path, shard_bytes: int, model: str = "dense") -> int:
+    """Write random bf16 weights of a ``--model`` model in shards; return total bytes."""
     import torch
     from safetensors.torch import save_file
 
     from megatron_klear.checkpoint.hf_bridge import hf_shape, hf_tensor_names
     from megatron_klear.models.qwen3 import qwen3_config_from_hf
-    from megatron_klear.models.tiny import tiny_qwen3_config
 
-    config = tiny_qwen3_config(**QWEN3_0_6B)
+    config = model_config(model)
     arch = qwen3_config_from_hf(config)
     out.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
@@ -168,6 +182,8 @@ def main() -> None:
     p.add_argument("--work-dir", default=None, help="scratch dir (default: a temp dir, removed)")
     p.add_argument("--shard-size-mb", type=int, default=400, help="input safetensors shard size")
     p.add_argument("--repeat", type=int, default=3, help="rounds of all steps (medians reported)")
+    p.add_argument("--model", choices=("dense", "moe"), default="dense",
+                   help="Qwen3-0.6B shape, or a Qwen3-MoE of the same bytes")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -175,19 +191,17 @@ def main() -> None:
         return
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_convert_"))
     try:
-        report(work, a.shard_size_mb * 2**20, a.repeat)
+        report(work, a.shard_size_mb * 2**20, a.repeat, a.model)
     finally:
         if a.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def report(work: Path, shard: int, repeat: int) -> None:
+def report(work: Path, shard: int, repeat: int, model: str = "dense") -> None:
     """Run the steps ``repeat`` times, interleaved, and print the table."""
-    from megatron_klear.models.tiny import tiny_qwen3_config
-
-    total = make_hf_model(work / "hf", shard)
+    total = make_hf_model(work / "hf", shard, model)
     largest = max(f.stat().st_size for f in (work / "hf").glob("*.safetensors"))
-    layer = layer_bytes(tiny_qwen3_config(**QWEN3_0_6B))
+    layer = layer_bytes(model_config(model))
     floor = run_step("imports", work / "hf", work / "none", shard)["peak_rss"]
     steps = {"plain safetensors read+write": ("plain", "hf", "copy"),
              "hf -> megatron (torch_dist)": ("hf2mg", "hf", "mg"),
@@ -201,7 +215,9 @@ def report(work: Path, shard: int, repeat: int) -> None:
         same = same and bitwise_equal(work / "hf", work / "back")
     med = {name: statistics.median(r["seconds"] for r in rs) for name, rs in runs.items()}
     base = med["plain safetensors read+write"]
-    print(f"model: Qwen3-0.6B shape, bf16, {total / 1e9:.2f} GB in "
+    shape = "Qwen3-MoE (16 experts x 192 per layer) of Qwen3-0.6B's bytes" \
+        if model == "moe" else "Qwen3-0.6B shape"
+    print(f"model: {shape}, bf16, {total / 1e9:.2f} GB in "
           f"{len(list((work / 'hf').glob('*.safetensors')))} shards, largest "
           f"{largest / 1e9:.2f} GB, one layer {layer / 1e6:.1f} MB; import RSS floor "
           f"{floor / 1e9:.2f} GB; {repeat} interleaved rounds; round trip bitwise identical: "

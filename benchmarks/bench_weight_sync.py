@@ -5,8 +5,10 @@ Measured side by side in one run, in (sync, raw) pairs taken back to back:
     server loads the tensors), GB/s over the bytes sent, for both load formats;
   * the transport limit: a raw gloo broadcast of ONE flat buffer of the same size between the
     trainer and a receiver process (same group construction, same loopback TCP).
-Prints the ratios (target >= 0.90 for the default format). Usage:
+Prints the ratios (target >= 0.90 for the default format). ``--model moe``: a Qwen3-MoE of
+the same bytes (bench_convert.MOE_SAME_BYTES: 16 experts x 192 per layer). Usage:
   python benchmarks/bench_weight_sync.py [--bucket-mb 512] [--repeats 3] [--num-layers 28]
+                                         [--model dense|moe]
 """
 
 from __future__ import annotations
@@ -39,14 +41,18 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed syncs / broadcasts")
     p.add_argument("--num-layers", type=int, default=QWEN3_0_6B["num_hidden_layers"],
                    help="override the layer count (smaller = quicker run)")
+    p.add_argument("--model", choices=("dense", "moe"), default="dense",
+                   help="Qwen3-0.6B shape, or a Qwen3-MoE of the same bytes")
     return p.parse_args()
 
 
-def _write_model_dir(out: Path, num_layers: int) -> Path:
-    from megatron_klear.models.tiny import build_tokenizer, tiny_qwen3_config
+def _write_model_dir(out: Path, num_layers: int, model: str = "dense") -> Path:
+    from bench_convert import model_config  # the same dense / MoE shapes
+
+    from megatron_klear.models.tiny import build_tokenizer
 
     build_tokenizer(out)
-    cfg = tiny_qwen3_config(**dict(QWEN3_0_6B, num_hidden_layers=num_layers))
+    cfg = dict(model_config(model), num_hidden_layers=num_layers)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -142,10 +148,12 @@ def main() -> None:
     args = _parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _write_model_dir(Path(tmp), args.num_layers)
+        model_dir = _write_model_dir(Path(tmp), args.num_layers, args.model)
         nbytes = _hf_bytes(model_dir)
         runs = run(model_dir, args)
-    print(f"model: Qwen3-0.6B shape, {args.num_layers} layers, bf16, {nbytes / 1e9:.3f} GB; "
+    shape = "Qwen3-MoE (16 experts x 192 per layer) of Qwen3-0.6B's bytes" \
+        if args.model == "moe" else "Qwen3-0.6B shape"
+    print(f"model: {shape}, {args.num_layers} layers, bf16, {nbytes / 1e9:.3f} GB; "
           f"bucket {args.bucket_mb} MiB; {args.repeats} (sync, raw) pairs after a warm-up")
     print(f"export_hf_weights alone (no transfer): {min(runs.pop('export only')):.3f} s (best)")
     for fmt, pairs in runs.items():

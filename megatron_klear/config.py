@@ -87,6 +87,16 @@ class TrainConfig:
     context_parallel_size: int = opt(1, "context-parallel size: each rank of the CP group "
                                         "holds 1/cp of every sequence (needs "
                                         "--transformer-impl transformer_engine)")
+    # Qwen3-MoE expert parallelism (issue 15)
+    expert_model_parallel_size: int = opt(1, "expert-parallel size (MoE; carved out of the "
+                                             "data-parallel ranks)")
+    expert_tensor_parallel_size: int | None = opt(None, "tensor-parallel size of the experts "
+                                                        "(default: --tensor-model-parallel-size)")
+    moe_token_dispatcher_type: str = opt("alltoall", "MoE token dispatcher",
+                                         choices=("alltoall", "allgather"))
+    moe_aux_loss_coeff: float | None = opt(None, "MoE load-balancing loss coefficient "
+                                                 "(default: config.json router_aux_loss_coef; "
+                                                 "0: off)")
     # batch
     micro_batch_size: int = opt(1, "sequences per micro-batch")
     global_batch_size: int = opt(8, "sequences per optimizer step (across data-parallel ranks)")
@@ -136,6 +146,7 @@ class TrainConfig:
                               f"--lr-decay-iters {self.decay_iters}")
         self._validate_memory_features()
         self._validate_context_parallel()
+        self._validate_moe()
 
     def _validate_context_parallel(self) -> None:
         """CP needs TE attention and sequences that split into 2 x cp load-balanced chunks."""
@@ -148,6 +159,20 @@ class TrainConfig:
             raise ConfigError(f"--context-parallel-size {cp} needs --seq-length "
                               f"{self.seq_length} to be a multiple of 2 x {cp} (load-balanced "
                               "chunks)")
+
+    def _validate_moe(self) -> None:
+        """Expert-parallel sizes and the aux-loss coefficient."""
+        for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag(name)} must be >= 1, got {value}")
+        if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size (``--expert-tensor-parallel-size``, else TP)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def _validate_memory_features(self) -> None:
         """Sequence parallel, recompute and distributed-optimizer flags that contradict."""
@@ -195,6 +220,12 @@ class TrainConfig:
                               f"--context-parallel-size = {mp} does not divide the number of "
                               f"processes ({world_size})")
         dp = world_size // mp
+        expert_mp = self.expert_model_parallel_size * self.expert_tp * \
+            self.pipeline_model_parallel_size
+        if world_size % expert_mp:
+            raise ConfigError(f"--expert-model-parallel-size x --expert-tensor-parallel-size x "
+                              f"--pipeline-model-parallel-size = {expert_mp} does not divide the "
+                              f"number of processes ({world_size})")
         if self.global_batch_size % (self.micro_batch_size * dp):
             raise ConfigError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
                               f"--micro-batch-size x data-parallel size ({self.micro_batch_size} x {dp})")

@@ -11,7 +11,9 @@ dist_checkpointing) runs on CPU under gloo:
 * CUDA RNG get/set/seed redirected to the CPU generator, which megatron's RNG tracker uses;
 * no-argument ``Tensor.type()`` reporting a cuda type name (megatron's grad clipping asserts it);
 * the mode re-entered in custom autograd ``Function.backward`` and tensor hooks, which autograd
-  runs with an empty mode stack (megatron's activation recompute re-runs the forward there).
+  runs with an empty mode stack (megatron's activation recompute re-runs the forward there);
+* two MoE shims (:func:`_patch_megatron_moe`): the router GEMM without Transformer Engine,
+  and the all-to-all token dispatcher's split sizes as numpy arrays, as on GPU.
 
 Strict device mode (``KLEAR_STRICT_DEVICES=1``, for tests): the emulation additionally
 plays a *virtual CUDA device*. Every tensor that would live on the GPU on a GPU machine is
@@ -307,6 +309,37 @@ def _patch_megatron_rng() -> None:
     )
 
 
+def _patch_megatron_moe(emulated: bool) -> None:
+    """Shims for megatron-core 0.16.1's MoE layer where it assumes TE or CUDA tensors.
+
+    * ``megatron/core/transformer/moe/moe_utils.py`` imports ``te_general_gemm`` only when
+      Transformer Engine imports, yet ``router_gating_linear`` tests ``te_general_gemm is not
+      None`` unconditionally: without TE (GPU or CPU) that is a NameError. Defining it as None
+      selects megatron's own ``torch.matmul`` path.
+    * ``megatron/core/transformer/moe/token_dispatcher.py`` (``MoEAlltoAllTokenDispatcher.
+      _maybe_dtoh_and_synchronize``) turns the split sizes into numpy arrays only when they
+      are CUDA tensors (``moe_utils.maybe_move_tensor_to_cpu``); on the CPU they would stay
+      tensors, and torch's ``all_to_all_single`` rejects tensor split sizes ("incompatible
+      function arguments"). The emulation converts CPU tensors too, so the dispatcher sees
+      what it sees on a GPU; it never records a stream (``Tensor.record_stream`` needs a
+      real CUDA stream, and the emulated streams differ from each other, so the dispatcher
+      would ask for it in strict device mode).
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not emulated:
+        return
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        out = original(tensor, as_numpy=as_numpy, record_stream=False)
+        return out.numpy() if as_numpy and torch.is_tensor(out) else out
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
 class _NullStream:
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -402,6 +435,7 @@ def setup() -> Platform:
         _STATE["mode"] = mode
     else:
         torch.cuda.set_device(device())
+    _patch_megatron_moe(emulated)
     _STATE["platform"] = Platform(device=device(), backend=backend(), emulated=emulated)
     return _STATE["platform"]
 

@@ -47,7 +47,9 @@ def test_dp_size_checks_world():
 
 
 def test_qwen3_config_errors():
-    with pytest.raises(ModelConfigError, match="only dense Qwen3"):
+    with pytest.raises(ModelConfigError, match="model_type='qwen2_moe'.*supported: Qwen3"):
+        qwen3_config_from_hf(tiny_qwen3_config(model_type="qwen2_moe"))
+    with pytest.raises(ModelConfigError, match="supported: Qwen3"):  # type/class disagree
         qwen3_config_from_hf(tiny_qwen3_config(model_type="qwen3_moe"))
     arch = qwen3_config_from_hf(tiny_qwen3_config())
     with pytest.raises(ModelConfigError, match="--tensor-model-parallel-size 4 .*num_key_value_heads"):

@@ -6,7 +6,8 @@ op (CUDA and CPU tensors mixed, a collective on a CPU tensor). One launch at TP2
 parallel, full recompute and the distributed optimizer runs an SFT step, the RL old-log-prob
 pass and an RL step, a checkpoint save and an HF export; then two planted misplacements (a
 micro-batch left on the CPU, a model built on the CPU as ``use_cpu_initialization=True`` did)
-must each be caught.
+must each be caught; last, a Qwen3-MoE at EP2 (router, token dispatcher, experts) runs the
+SFT step, old-log-prob pass, RL step and export.
 
 The loss runs with ``--loss-backend torch``: in this mode the logits report device cuda, and
 the C++ kernel is the CPU backend (its CUDA twin is checked by tests/gpu/).
@@ -100,7 +101,30 @@ def _gpu_path(rank, world, tmp):
         engine_mod.model_features = features
     result["model_on_cpu"] = _caught(
         lambda: cpu_model.train_step(_microbatches(), sft_loss_fn(VOCAB, total, "torch")))
+    result["moe_ep2"] = _moe_ep2_path(tmp)
     return result
+
+
+def _moe_ep2_path(tmp: str) -> dict:
+    """Qwen3-MoE at EP2 (megatron's token dispatcher, router and experts): SFT step, RL
+    old-log-prob pass, RL step and HF export, all on the virtual CUDA device."""
+    from megatron_klear.models.qwen3 import qwen3_config_from_hf
+    from megatron_klear.models.tiny import tiny_qwen3_moe_config
+    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.train.rl import RLConfig, old_logprobs, policy_loss_fn
+    from megatron_klear.train.sft import sft_loss_fn
+
+    cfg = RLConfig(**{**FLAGS, "tensor_model_parallel_size": 1, "sequence_parallel": False,
+                      "expert_model_parallel_size": 2, "save": f"{tmp}/moe"})
+    initialize_parallel(1, 1, cfg.seed, ep=2)
+    eng = build_engine(cfg, qwen3_config_from_hf(tiny_qwen3_moe_config(vocab_size=VOCAB)))
+    mbs = _microbatches()
+    total = float(sum(mb["loss_mask"].sum() for mb in mbs))
+    sft = eng.train_step(mbs, sft_loss_fn(VOCAB, total, "torch"))
+    old_logprobs(eng, mbs, VOCAB, 1.0)
+    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg, VOCAB, total, total))
+    eng.export_hf(f"{tmp}/moe_hf")
+    return {"sft_loss": sft["loss"], "rl_loss": rl["train/loss"]}
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +151,13 @@ def test_every_tensor_of_the_gpu_path_is_where_cuda_needs_it(strict_run):
 def test_planted_misplacement_is_caught(strict_run, plant):
     for r in strict_run[1]:
         assert r[plant] is not None and "mixes CUDA tensors with CPU tensors" in r[plant]
+
+
+def test_moe_expert_parallel_path_is_where_cuda_needs_it(strict_run):
+    """Fails with the RL old-log-prob pass returning a CPU zero (megatron's MoE schedule
+    multiplies the loss by the CUDA loss scale)."""
+    tmp, results = strict_run
+    for r in results:
+        assert torch.isfinite(torch.tensor([r["moe_ep2"]["sft_loss"],
+                                            r["moe_ep2"]["rl_loss"]])).all()
+    assert (tmp / "moe_hf" / "config.json").is_file()

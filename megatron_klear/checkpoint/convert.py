@@ -90,9 +90,11 @@ def build_model(arch: qwen3.Qwen3Arch, dtype: torch.dtype = torch.float32) -> to
     """This rank's stage of the Qwen3 GPTModel, uninitialised (weights come from a file)."""
     from megatron.core import parallel_state as ps
 
+    moe = qwen3.moe_config_kwargs(arch, ep=ps.get_expert_model_parallel_world_size(),
+                                  etp=ps.get_expert_tensor_parallel_world_size())
     config = qwen3.transformer_config(arch, tp=ps.get_tensor_model_parallel_world_size(),
                                       pp=ps.get_pipeline_model_parallel_world_size(),
-                                      params_dtype=dtype, perform_initialization=False)
+                                      params_dtype=dtype, perform_initialization=False, **moe)
     return qwen3.build_gpt_model(arch, config).eval()
 
 
@@ -311,10 +313,11 @@ def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1,
 
 
 def hf_logits(hf_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' Qwen3ForCausalLM logits (fp32, eager attention): the reference."""
-    from transformers import Qwen3ForCausalLM
+    """transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM logits (fp32, eager attention):
+    the reference."""
+    from transformers import AutoModelForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
                                              attn_implementation="eager").eval()
     with torch.no_grad():
         return model(input_ids).logits.float()

@@ -19,6 +19,12 @@ full tensor is split over tensor-parallel ranks and merged back:
 
 Pipeline parallelism needs no table entry: each transformer layer knows its global
 ``layer_number``, which maps ``decoder.layers.{j}`` to ``model.layers.{i}``.
+
+Qwen3-MoE: a rule applies to ``dense`` layers, ``moe`` layers or ``all``. The router
+(``mlp.gate``) is replicated. Expert rules (``expert=True``) map local expert ``{k}`` of
+this expert-parallel (EP) rank to global expert ``{e} = ep_rank * local_experts + k``; their
+``gate_up`` / ``row`` splits run over the expert-tensor-parallel (ETP) group, not TP, and
+export all-gathers them over ETP, then over EP, so every rank receives every expert.
 """
 
 from __future__ import annotations
@@ -47,13 +53,17 @@ class BridgeError(ValueError):
 class Rule:
     """One HF <-> Megatron correspondence.
 
-    ``hf`` templates use ``{i}`` for the global layer index; ``megatron`` templates use
-    ``{j}`` for the layer index inside a model chunk (local spec name first, then TE).
+    ``hf`` templates use ``{i}`` for the global layer index and ``{e}`` for the global
+    expert; ``megatron`` templates use ``{j}`` for the layer index inside a model chunk and
+    ``{k}`` for the expert index on this EP rank (local spec name first, then TE).
+    ``layers``: which layers hold it (``all``, ``dense`` or ``moe``).
     """
 
     hf: tuple[str, ...]
     megatron: tuple[str, ...]
     kind: str
+    layers: str = "all"
+    expert: bool = False
 
 
 _L = "model.layers.{i}."
@@ -76,13 +86,22 @@ RULES: tuple[Rule, ...] = (
          (_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
          "replicated"),
     Rule((_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
-         (_M + "mlp.linear_fc1.weight",), "gate_up"),
-    Rule((_L + "mlp.down_proj.weight",), (_M + "mlp.linear_fc2.weight",), "row"),
+         (_M + "mlp.linear_fc1.weight",), "gate_up", layers="dense"),
+    Rule((_L + "mlp.down_proj.weight",), (_M + "mlp.linear_fc2.weight",), "row",
+         layers="dense"),
+    Rule((_L + "mlp.gate.weight",), (_M + "mlp.router.weight",), "replicated", layers="moe"),
+    Rule((_L + "mlp.experts.{e}.gate_proj.weight", _L + "mlp.experts.{e}.up_proj.weight"),
+         (_M + "mlp.experts.local_experts.{k}.linear_fc1.weight",
+          _M + "mlp.experts.linear_fc1.weight{k}"), "gate_up", layers="moe", expert=True),
+    Rule((_L + "mlp.experts.{e}.down_proj.weight",),
+         (_M + "mlp.experts.local_experts.{k}.linear_fc2.weight",
+          _M + "mlp.experts.linear_fc2.weight{k}"), "row", layers="moe", expert=True),
 )
 
 
 def _compile(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{j\}", r"(\d+)") + "$")
+    return re.compile(re.escape(template).replace(r"\{j\}", r"(?P<j>\d+)")
+                      .replace(r"\{k\}", r"(?P<k>\d+)") + "$")
 
 
 _PATTERNS: tuple[tuple[re.Pattern, Rule], ...] = tuple(
@@ -95,10 +114,18 @@ def hf_tensor_names(arch: Qwen3Arch) -> list[str]:
     for rule in RULES:
         for t in rule.hf:
             if "{i}" in t:
-                names.extend(t.format(i=i) for i in range(arch.num_layers))
+                names.extend(t.format(i=i, e=e) for i in _layers(rule, arch)
+                             for e in range(arch.num_experts if rule.expert else 1))
             elif not (t == "lm_head.weight" and arch.tie_word_embeddings):
                 names.append(t)
     return names
+
+
+def _layers(rule: Rule, arch: Qwen3Arch) -> list[int]:
+    """The global layers that hold ``rule``'s tensors."""
+    moe = set(arch.moe_layers)
+    return [i for i in range(arch.num_layers)
+            if rule.layers == "all" or (i in moe) == (rule.layers == "moe")]
 
 
 # ---------------------------------------------------------------- TP split / merge
@@ -182,13 +209,37 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def _tp() -> tuple[int, int, object]:
+def _tp(rule: Rule | None = None) -> tuple[int, int, object]:
+    """(size, rank, group) of the group a rule's tensors split over: TP, or for experts ETP."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         return 1, 0, None
+    if rule is not None and rule.expert:
+        return (ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_group())
     return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
             ps.get_tensor_model_parallel_group())
+
+
+def _ep() -> tuple[int, int, object]:
+    """(size, rank, group) of expert parallelism (1, 0, None outside megatron)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0, None
+    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_model_parallel_group())
+
+
+def _hf_names(rule: Rule, layer: int | None, local_expert: int | None,
+              arch: Qwen3Arch) -> list[str]:
+    """The HF names of ``rule`` for a layer and (experts) a local expert of this EP rank."""
+    if not rule.expert:
+        return [t.format(i=layer) for t in rule.hf]
+    ep, ep_rank, _ = _ep()
+    e = ep_rank * (arch.num_experts // ep) + local_expert
+    return [t.format(i=layer, e=e) for t in rule.hf]
 
 
 def _global_layer(model: torch.nn.Module, local: int) -> int:
@@ -209,9 +260,11 @@ def param_rules(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
                                (None, None))
             if rule is None:
                 raise BridgeError(f"megatron parameter {name!r} has no Hugging Face mapping "
-                                  "(only dense Qwen3 is supported)")
-            layer = _global_layer(model, int(match.group(1))) if match.groups() else None
-            hf = [t.format(i=layer) for t in rule.hf]
+                                  "(only Qwen3 and Qwen3-MoE are supported)")
+            groups = match.groupdict()
+            layer = _global_layer(model, int(groups["j"])) if "j" in groups else None
+            local = int(groups["k"]) if "k" in groups else None
+            hf = _hf_names(rule, layer, local, arch)
             if hf == ["lm_head.weight"] and arch.tie_word_embeddings:
                 hf = ["model.embed_tokens.weight"]  # last-stage copy of the tied embedding
             yield name, param, rule, hf
@@ -241,8 +294,9 @@ def check_hf_names(names: list[str] | set[str], arch: Qwen3Arch) -> None:
     unexpected = sorted(set(names) - allowed)
     if unexpected:
         raise BridgeError(f"unexpected tensor {unexpected[0]!r} in the Hugging Face checkpoint "
-                          f"({len(unexpected)} unexpected); it is not part of a dense Qwen3 "
-                          f"with {arch.num_layers} layers")
+                          f"({len(unexpected)} unexpected); it is not part of a "
+                          f"{'Qwen3-MoE' if arch.is_moe else 'dense Qwen3'} with "
+                          f"{arch.num_layers} layers")
     missing = sorted(expected - set(names))
     if missing:
         raise BridgeError(f"missing tensor {missing[0]!r} in the Hugging Face checkpoint "
@@ -261,8 +315,8 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch,
     if isinstance(hf_tensors, Mapping):
         check_hf_names(list(hf_tensors.keys()), arch)
     get = _getter(hf_tensors)
-    tp, rank, _ = _tp()
     for _, param, rule, hf in param_rules(model_chunks, arch):
+        tp, rank, _ = _tp(rule)
         _fill(param, rule, hf, [get(n) for n in hf], arch, tp, rank)
 
 
@@ -285,6 +339,8 @@ def hf_shape(name: str, arch: Qwen3Arch) -> tuple[int, ...]:
     h, ffn, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * hd, arch.num_query_groups * hd
     suffix = re.sub(r"^model\.layers\.\d+\.", "", name)
+    suffix = re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.E.", suffix)
+    moe_ffn = arch.moe_ffn_hidden_size
     shapes = {
         "model.embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),
         "model.norm.weight": (h,), "input_layernorm.weight": (h,),
@@ -294,8 +350,14 @@ def hf_shape(name: str, arch: Qwen3Arch) -> tuple[int, ...]:
         "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (ffn, h),
         "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn),
     }
+    if arch.is_moe:
+        shapes.update({"mlp.gate.weight": (arch.num_experts, h),
+                       "mlp.experts.E.gate_proj.weight": (moe_ffn, h),
+                       "mlp.experts.E.up_proj.weight": (moe_ffn, h),
+                       "mlp.experts.E.down_proj.weight": (h, moe_ffn)})
     if suffix not in shapes:
-        raise BridgeError(f"unexpected tensor {name!r}: not part of a dense Qwen3 checkpoint")
+        raise BridgeError(f"unexpected tensor {name!r}: not part of a "
+                          f"{'Qwen3-MoE' if arch.is_moe else 'dense Qwen3'} checkpoint")
     return shapes[suffix]
 
 
@@ -323,15 +385,34 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch, *,
     views of the parameters, valid until the next optimizer step (weight sync packs them
     into its own buffers, so it skips the extra copy).
     """
-    tp, _, group = _tp()
     for _, param, rule, hf in param_rules(model_chunks, arch):
         if rule.megatron[0] == "output_layer.weight" and arch.tie_word_embeddings:
             continue
+        tp, _, group = _tp(rule)
         merged = merge_shards(rule.kind, _gather_tp(param.detach(), tp, group), arch)
-        for n, t in zip(hf, merged):
+        named = zip(hf, merged)
+        if rule.expert:
+            named = _gather_experts(hf, merged, arch)
+        for n, t in named:
             shared = t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
             yield n, (t.clone(memory_format=torch.contiguous_format) if copy and shared
                       else t.contiguous())
+
+
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
+
+
+def _gather_experts(hf: list[str], merged: list[torch.Tensor], arch: Qwen3Arch
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every EP rank's copy of this local expert (all-gathered over the EP group), named by
+    global expert. Every EP rank walks the same local experts in the same order."""
+    ep, rank, group = _ep()
+    local = arch.num_experts // ep
+    per_rank = [_gather_tp(m, ep, group) for m in merged]  # [HF tensor][EP rank]
+    for r in range(ep):
+        for n, gathered in zip(hf, per_rank):
+            e = int(_EXPERT.search(n).group(1)) + (r - rank) * local
+            yield _EXPERT.sub(f"mlp.experts.{e}.", n), gathered[r]
 
 
 def hf_state_dict_from_megatron(model_chunks: list[torch.nn.Module], arch: Qwen3Arch

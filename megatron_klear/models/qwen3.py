@@ -1,8 +1,10 @@
-"""Dense Qwen3 as a megatron-core GPTModel: a TransformerConfig plus a layer spec.
+"""Qwen3 (dense and MoE) as a megatron-core GPTModel: a TransformerConfig plus a layer spec.
 
 The Hugging Face ``config.json`` is the single source of truth for the architecture;
 :func:`qwen3_config_from_hf` validates it and :func:`build_gpt_model` turns it into one
-pipeline stage of a megatron-core ``GPTModel``.
+pipeline stage of a megatron-core ``GPTModel``. Qwen3-MoE (``Qwen3MoeForCausalLM``) layers
+use megatron-core's ``MoELayer``: local ``SequentialMLP`` experts in the local spec, Transformer
+Engine grouped GEMM in the TE spec (GPU only; not run here).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_block import (LayerNormImpl,
                                                          TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
@@ -38,7 +41,8 @@ try:  # Transformer Engine is optional (GPU only)
 except Exception:  # pragma: no cover - TE is never importable on the CPU CI machine
     HAVE_TE = False
 
-__all__ = ["Qwen3Arch", "qwen3_config_from_hf", "load_hf_config", "padded_vocab_size",
+__all__ = ["Qwen3Arch", "qwen3_config_from_hf", "moe_config_kwargs", "moe_experts_at",
+           "MOE_DISPATCHERS", "load_hf_config", "padded_vocab_size",
            "layer_spec", "block_spec", "transformer_config", "TRANSFORMER_IMPLS",
            "check_memory_features", "build_gpt_model", "HAVE_TE", "ConfigError"]
 
@@ -48,7 +52,11 @@ _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atten
 
 @dataclass(frozen=True)
 class Qwen3Arch:
-    """The architecture facts of a dense Qwen3 model, read from an HF config."""
+    """The architecture facts of a Qwen3 model, read from an HF config.
+
+    MoE fields stay at their defaults (``num_experts == 0``) for a dense Qwen3;
+    ``moe_layers`` holds the global indices of the layers whose MLP is a sparse MoE block.
+    """
 
     hidden_size: int
     ffn_hidden_size: int
@@ -62,7 +70,18 @@ class Qwen3Arch:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     rope_scaling: dict | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        """True for a Qwen3-MoE model with at least one sparse layer."""
+        return bool(self.moe_layers)
 
 
 def load_hf_config(hf_dir: str | Path) -> dict:
@@ -76,14 +95,18 @@ def load_hf_config(hf_dir: str | Path) -> dict:
         raise ConfigError(f"{path}: invalid JSON ({exc})") from exc
 
 
+_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 def qwen3_config_from_hf(cfg: Mapping[str, Any]) -> Qwen3Arch:
-    """Validate a dense Qwen3 HF config dict and return its :class:`Qwen3Arch`."""
+    """Validate a Qwen3 or Qwen3-MoE HF config dict and return its :class:`Qwen3Arch`."""
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
-    if model_type != "qwen3" or (archs and "Qwen3ForCausalLM" not in archs):
+    if model_type not in _MODEL_TYPES or (archs and _MODEL_TYPES[model_type] not in archs):
         raise ConfigError(
-            f"config.json: model_type={model_type!r} architectures={archs!r}; only dense Qwen3 "
-            "(model_type 'qwen3', Qwen3ForCausalLM) is supported"
+            f"config.json: model_type={model_type!r} architectures={archs!r}; supported: "
+            "Qwen3 (model_type 'qwen3', Qwen3ForCausalLM) and Qwen3-MoE (model_type "
+            "'qwen3_moe', Qwen3MoeForCausalLM)"
         )
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
@@ -108,7 +131,34 @@ def qwen3_config_from_hf(cfg: Mapping[str, Any]) -> Qwen3Arch:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=dict(rope) if rope_type == "yarn" else None,
         hf_config=dict(cfg),
+        **(_moe_fields(cfg) if model_type == "qwen3_moe" else {}),
     )
+
+
+def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`Qwen3Arch` MoE fields of a ``qwen3_moe`` config (transformers' rule for
+    which layers are sparse: not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step
+    == 0``)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    missing = [k for k, v in (("num_experts", experts),
+                              ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", cfg.get("moe_intermediate_size")))
+               if v is None]
+    if missing:
+        raise ConfigError(f"config.json: qwen3_moe config missing field(s) {missing}")
+    topk, step = cfg["num_experts_per_tok"], cfg.get("decoder_sparse_step", 1)
+    if not 1 <= topk <= experts:
+        raise ConfigError(f"config.json: num_experts_per_tok={topk} must be in "
+                          f"[1, num_experts={experts}]")
+    if step < 1:
+        raise ConfigError(f"config.json: decoder_sparse_step={step} must be >= 1")
+    dense = set(cfg.get("mlp_only_layers") or ())
+    moe_layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                       if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=topk,
+                moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=moe_layers,
+                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
@@ -137,12 +187,14 @@ def check_parallel_layout(arch: Qwen3Arch, tp: int, pp: int,
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
-def layer_spec(transformer_impl: str = "local") -> ModuleSpec:
+def layer_spec(transformer_impl: str = "local", num_experts: int | None = None) -> ModuleSpec:
     """The Qwen3 layer spec of ``--transformer-impl``; never picks Transformer Engine silently.
 
     ``local``: megatron-core's local spec with :mod:`megatron_klear.models.norms` RMSNorms
     (which, unlike megatron's torch-norm wrapper, support sequence parallelism) and
     :class:`VarlenCoreAttention`, so that THD packs attend within each sequence.
+    With ``num_experts`` the MLP is megatron-core's MoELayer (local: SequentialMLP experts;
+    Transformer Engine: grouped GEMM).
     """
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ConfigError(f"--transformer-impl {transformer_impl!r}: choose from "
@@ -152,8 +204,10 @@ def layer_spec(transformer_impl: str = "local") -> ModuleSpec:
             raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not "
                               "installed (pip install transformer-engine[pytorch]); pass "
                               "--transformer-impl local to use megatron-core's local spec")
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=bool(num_experts), qk_layernorm=True)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=True,
+                                    normalization="RMSNorm")
     norm, qk_norm = norm_specs()
     sub = spec.submodules
     sub.input_layernorm = sub.pre_mlp_layernorm = norm
@@ -166,10 +220,22 @@ def layer_spec(transformer_impl: str = "local") -> ModuleSpec:
 def block_spec(config: TransformerConfig, transformer_impl: str = "local",
                vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """This pipeline stage's (model chunk's) layers plus the final norm (the local spec's
-    must support SP)."""
+    must support SP); MoE layers where the model has experts."""
+    offset = get_transformer_layer_offset(config, vp_stage)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(transformer_impl)] * get_num_layers_to_build(config, vp_stage),
+        layer_specs=[layer_spec(transformer_impl, moe_experts_at(config, offset + k))
+                     for k in range(get_num_layers_to_build(config, vp_stage))],
         layer_norm=LayerNormImpl if transformer_impl == "transformer_engine" else norm_specs()[0])
+
+
+def moe_experts_at(config: TransformerConfig, layer: int) -> int | None:
+    """The number of experts of global layer ``layer`` (None: a dense MLP), read from the
+    ``moe_layer_freq`` pattern that :func:`moe_config_kwargs` sets."""
+    if not config.num_moe_experts:
+        return None
+    freq = config.moe_layer_freq
+    sparse = freq[layer] if isinstance(freq, list) else layer % freq == 0
+    return config.num_moe_experts if sparse else None
 
 
 def check_memory_features(config: TransformerConfig, transformer_impl: str) -> None:
@@ -183,11 +249,50 @@ def check_memory_features(config: TransformerConfig, transformer_impl: str) -> N
                           " use --recompute-modules core_attn or --recompute-granularity full")
 
 
+MOE_DISPATCHERS = ("alltoall", "allgather")
+
+
+def moe_config_kwargs(arch: Qwen3Arch, *, ep: int = 1, etp: int | None = None,
+                      dispatcher: str = "alltoall",
+                      aux_loss_coeff: float | None = None) -> dict[str, Any]:
+    """TransformerConfig fields of a Qwen3-MoE model ({} for a dense one).
+
+    transformers' router is softmax over all experts, top-k, then (``norm_topk_prob``)
+    renormalised over the k: megatron's softmax after top-k (``pre_softmax=False``) equals
+    the renormalised form, softmax before top-k the raw one. ``aux_loss_coeff`` None takes
+    config.json's ``router_aux_loss_coef``; 0 turns the load-balancing loss off.
+    """
+    if not arch.is_moe:
+        return {}
+    if arch.num_experts % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide "
+                          f"num_experts={arch.num_experts}")
+    if dispatcher not in MOE_DISPATCHERS:
+        raise ConfigError(f"--moe-token-dispatcher-type {dispatcher!r}: choose from "
+                          f"{list(MOE_DISPATCHERS)}")
+    coeff = arch.router_aux_loss_coef if aux_loss_coeff is None else aux_loss_coeff
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.num_experts_per_tok,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_layer_freq=[int(i in arch.moe_layers) for i in range(arch.num_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+        moe_aux_loss_coeff=coeff,
+        moe_token_dispatcher_type=dispatcher,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
 def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
                        params_dtype: torch.dtype = torch.float32,
                        layout: PipelineLayout | None = None,
                        **overrides: Any) -> TransformerConfig:
-    """The megatron-core TransformerConfig of a Qwen3 model at a TP/PP (``layout``) split."""
+    """The megatron-core TransformerConfig of a Qwen3 model at a TP/PP (``layout``) split (MoE
+    fields from :func:`moe_config_kwargs`; ``overrides`` win, e.g. ``expert_model_parallel_size``)."""
     layout = check_parallel_layout(arch, tp, pp, layout)
     kwargs = dict(
         num_layers=arch.num_layers,
@@ -219,6 +324,7 @@ def transformer_config(arch: Qwen3Arch, *, tp: int = 1, pp: int = 1,
         fp16=params_dtype == torch.float16,
         init_method_std=0.02,
     )
+    kwargs.update(moe_config_kwargs(arch))
     kwargs.update(overrides)
     cfg = TransformerConfig(**kwargs)
     if arch.rope_scaling:

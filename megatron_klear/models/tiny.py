@@ -47,6 +47,18 @@ def tiny_qwen3_config(vocab_size: int = 300, **overrides: Any) -> dict:
     return cfg
 
 
+def tiny_qwen3_moe_config(vocab_size: int = 300, **overrides: Any) -> dict:
+    """An HF ``config.json`` dict of a tiny Qwen3-MoE: 4 layers, 4 experts, top-2 with
+    renormalised weights, layer 1 dense (``mlp_only_layers``) so both MLP kinds are used."""
+    cfg = tiny_qwen3_config(vocab_size, architectures=["Qwen3MoeForCausalLM"],
+                            model_type="qwen3_moe", num_hidden_layers=4, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                            router_aux_loss_coef=0.001, output_router_logits=False)
+    cfg.update(overrides)
+    return cfg
+
+
 def build_tokenizer(out_dir: str | Path | None = None):
     """A character-level ``PreTrainedTokenizerFast`` over printable ASCII plus Qwen specials."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -68,14 +80,15 @@ def build_tokenizer(out_dir: str | Path | None = None):
 
 
 def save_tiny_hf_model(out_dir: str | Path, *, seed: int = 0, std: float = 0.02,
-                       with_tokenizer: bool = True, **config_overrides: Any) -> Path:
+                       with_tokenizer: bool = True, moe: bool = False,
+                       **config_overrides: Any) -> Path:
     """Write a randomly initialised tiny Qwen3 HF checkpoint (safetensors + config) to ``out_dir``.
 
     ``std`` > 0.02 (e.g. 0.2) with random norm weights makes parity tests sensitive to
-    any mapping error.
+    any mapping error. ``moe``: a tiny Qwen3-MoE (:func:`tiny_qwen3_moe_config`) instead.
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,9 +96,10 @@ def save_tiny_hf_model(out_dir: str | Path, *, seed: int = 0, std: float = 0.02,
     overrides = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
                  "pad_token_id": tokenizer.pad_token_id}
     overrides.update(config_overrides)
-    cfg = Qwen3Config(**tiny_qwen3_config(**overrides))
+    make_config = tiny_qwen3_moe_config if moe else tiny_qwen3_config
+    cfg = (Qwen3MoeConfig if moe else Qwen3Config)(**make_config(**overrides))
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg).float()
+    model = AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -94,5 +108,5 @@ def save_tiny_hf_model(out_dir: str | Path, *, seed: int = 0, std: float = 0.02,
                 p.normal_(0.0, std)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     # Keep config.json minimal and stable across transformers versions.
-    (out_dir / "config.json").write_text(json.dumps(tiny_qwen3_config(**overrides), indent=2))
+    (out_dir / "config.json").write_text(json.dumps(make_config(**overrides), indent=2))
     return out_dir

@@ -36,29 +36,51 @@ class Sequence:
     seed: int | None = None  # sampling_seed (deterministic inference): draws from (seed, pos)
 
 
+def expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint names -> views of transformers' fused Qwen3-MoE expert tensors.
+
+    transformers 5 holds a sparse layer's experts as ``mlp.experts.gate_up_proj`` [E, 2I, H]
+    (gate rows first) and ``mlp.experts.down_proj`` [E, H, I]; checkpoints and weight sync
+    name them per expert (``mlp.experts.{e}.gate_proj.weight``, as SGLang's Qwen3-MoE
+    ``load_weights`` expects, sglang/srt/models/qwen3_moe.py). Each view is contiguous, so a
+    broadcast lands directly in the fused tensor. Empty for a dense model.
+    """
+    views: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.nn.Parameter) and gate_up.dim() == 3):
+            continue
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            views[f"{name}.{e}.gate_proj.weight"] = gate_up.data[e, :inter]
+            views[f"{name}.{e}.up_proj.weight"] = gate_up.data[e, inter:]
+            views[f"{name}.{e}.down_proj.weight"] = down.data[e]
+    return views
+
+
 class Generator:
     """An HF Qwen3 model on CPU with batched sampling (fp32 by default)."""
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  load_format: str = "auto") -> None:
-        from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if load_format == "dummy":  # SGLang's --load-format dummy: random weights, no file reads
-            config = Qwen3Config.from_pretrained(self.model_dir)
+            config = AutoConfig.from_pretrained(self.model_dir)
             config._attn_implementation = "eager"
-            self.model = Qwen3ForCausalLM(config).to(dtype)
+            self.model = AutoModelForCausalLM.from_config(config).to(dtype)
         else:
-            self.model = Qwen3ForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
-                                                          attn_implementation="eager")
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
+                                                              attn_implementation="eager")
         self.model.eval().requires_grad_(False)
         self.config = self.model.config
         self.context_length = int(self.config.max_position_embeddings)
         self.eos_ids = self._eos_ids()
         self.lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(seed)
-        self.params = dict(self.model.named_parameters())
+        self.params = dict(self.model.named_parameters()) | expert_views(self.model)
         self._recv_buf = torch.empty(0, dtype=torch.uint8)
 
     def _eos_ids(self) -> set[int]:

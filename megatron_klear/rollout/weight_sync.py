@@ -319,11 +319,14 @@ class WeightSync:
 
         Pipelined: bucket k+1 is exported and packed while bucket k is on the wire.
         """
-        if not self.replica0:
+        if not self.replica0 and not self.arch.is_moe:
             return 0
         named = self._export()
         if not self.is_source:
-            for _ in named:  # the TP all-gathers inside the export are collective
+            # the TP all-gathers inside the export are collective; with MoE, so are the
+            # expert gathers over EP and expert-TP groups, which megatron carves out of the
+            # data-parallel ranks: every replica then iterates (the source alone sends)
+            for _ in named:
                 pass
             return 0
         sent, inflight = 0, None

@@ -16,7 +16,7 @@ from pathlib import Path
 from megatron_klear.config import TrainConfig, to_dict
 from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import check_parallel_layout, load_hf_config, \
-    qwen3_config_from_hf
+    moe_config_kwargs, qwen3_config_from_hf
 from megatron_klear.train.memory import Workload, check_fits, plan_memory
 
 __all__ = ["dry_run"]
@@ -33,7 +33,11 @@ def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
         layout = check_parallel_layout(arch, cfg.tensor_model_parallel_size,
                                        cfg.pipeline_model_parallel_size,
                                        PipelineLayout.from_config(arch.num_layers, cfg))
-        report["model"] = f"{arch.num_layers} layers, hidden {arch.hidden_size}"
+        moe_config_kwargs(arch, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp,
+                          dispatcher=cfg.moe_token_dispatcher_type)  # raises on a bad EP
+        report["model"] = f"{arch.num_layers} layers, hidden {arch.hidden_size}" + (
+            f", {arch.num_experts} experts (top-{arch.num_experts_per_tok}) in "
+            f"{len(arch.moe_layers)} layers" if arch.is_moe else "")
         report["pipeline_stage_layers"] = list(layout.stage_layers)
         report["model_chunks_per_stage"] = layout.num_model_chunks
         workload = workload or Workload(cfg.seq_length)

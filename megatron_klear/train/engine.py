@@ -19,14 +19,18 @@ from megatron.core import parallel_state
 from megatron_klear import platform
 from megatron_klear.config import TrainConfig
 from megatron_klear.models.pipeline_layout import PipelineLayout
-from megatron_klear.models.qwen3 import Qwen3Arch, build_gpt_model, transformer_config
+from megatron_klear.models.qwen3 import (Qwen3Arch, build_gpt_model, moe_config_kwargs,
+                                         transformer_config)
 from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
 from megatron_klear.train.context_parallel import slice_batch
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int | None = None,
-                        cp: int = 1) -> platform.Platform:
+                        cp: int = 1, ep: int = 1, etp: int | None = None) -> platform.Platform:
     """Initialise torch.distributed from the torchrun environment and megatron's parallel state.
+
+    ``ep`` / ``etp``: expert-parallel and expert-tensor-parallel sizes (MoE; megatron carves
+    the EP group out of the data-parallel ranks).
 
     Works under torchrun (env://) and when the default group already exists (tests).
     Seeds python, numpy, torch and megatron's model-parallel RNG tracker.
@@ -49,7 +53,9 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp,
-                                             context_parallel_size=cp)
+                                             context_parallel_size=cp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return plat
@@ -267,6 +273,13 @@ def model_features(cfg: TrainConfig) -> dict[str, Any]:
     return features
 
 
+def moe_features(arch: Qwen3Arch, cfg: TrainConfig) -> dict[str, Any]:
+    """TransformerConfig fields of the MoE flags ({} for a dense model)."""
+    return moe_config_kwargs(arch, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp,
+                             dispatcher=cfg.moe_token_dispatcher_type,
+                             aux_loss_coeff=cfg.moe_aux_loss_coeff)
+
+
 def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> list[torch.nn.Module]:
     """The model chunks of this rank (one per virtual pipeline stage), built on the device,
     optionally wrapped in megatron DDP."""
@@ -277,7 +290,7 @@ def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> 
     tconf = transformer_config(arch, tp=cfg.tensor_model_parallel_size,
                                pp=cfg.pipeline_model_parallel_size, params_dtype=dtype,
                                layout=layout, context_parallel_size=cfg.context_parallel_size,
-                               **model_features(cfg))
+                               **model_features(cfg), **moe_features(arch, cfg))
     chunks = [build_gpt_model(arch, tconf, transformer_impl=cfg.transformer_impl,
                               vp_stage=i if layout.virtual_size else None)
               for i in range(layout.num_model_chunks)]
@@ -328,7 +341,8 @@ def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = Tr
     if not parallel_state.model_parallel_is_initialized():
         initialize_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                             cfg.seed, cp=cfg.context_parallel_size,
-                            vpp=PipelineLayout.from_config(arch.num_layers, cfg).virtual_size)
+                            vpp=PipelineLayout.from_config(arch.num_layers, cfg).virtual_size,
+                            ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp)
     if dist.is_initialized():
         cfg.data_parallel_size(dist.get_world_size())
     model = build_model(arch, cfg, wrap_ddp=with_optimizer)

@@ -19,6 +19,13 @@ Two layer implementations differ in what they save:
 * ``transformer_engine`` (GPU): LayerNormLinear saves input and normalised input; flash
   attention saves q, k, v and its output (no ``s x s`` scores); TE's SwiGLU saves its
   input. Derived from what those kernels save; not measured here (no GPU).
+
+Qwen3-MoE (:func:`moe_layer_terms`): a sparse layer holds the router (replicated) and
+``num_experts / EP`` experts split over expert-TP, whose optimizer state the distributed
+optimizer shards over the expert-data-parallel ranks; its MLP activations are those of the
+``top-k`` routed copies of each token (plus the permuted inputs and fp32 router scores).
+Layers are averaged over the model (exact when every layer is sparse, as in Qwen3-MoE
+releases). An estimate from megatron-core's MoE layer; not measured on a GPU.
 """
 
 from __future__ import annotations
@@ -133,8 +140,31 @@ def _layer_params(arch, t: int) -> int:
     h, d = arch.hidden_size, arch.head_dim
     qkv = h * (arch.num_attention_heads + 2 * arch.num_query_groups) * d
     proj = arch.num_attention_heads * d * h
-    mlp = 3 * h * arch.ffn_hidden_size
-    return (qkv + proj + mlp) // t + 2 * h + 2 * d  # norms are replicated
+    sparse = moe_layer_terms(arch)["sparse_fraction"]
+    mlp = (1 - sparse) * 3 * h * arch.ffn_hidden_size  # experts: expert_params_per_layer
+    router = sparse * arch.num_experts * h
+    return int((qkv + proj + mlp) // t + router) + 2 * h + 2 * d  # norms are replicated
+
+
+def moe_layer_terms(arch) -> dict[str, float]:
+    """Per-layer MoE quantities averaged over the layers (all zero for a dense model):
+    ``sparse_fraction`` of layers, ``expert_params`` (all experts of one layer) and the
+    per-token MLP activation elements of a sparse layer (``local`` and TE)."""
+    if not arch.is_moe:
+        return {"sparse_fraction": 0.0, "expert_params": 0.0, "act_local": 0.0, "act_te": 0.0}
+    h, f, k = arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_experts_per_tok
+    # k routed copies: permuted input (h) plus the SwiGLU tensors; 2 x E fp32 router scores
+    return {"sparse_fraction": len(arch.moe_layers) / arch.num_layers,
+            "expert_params": arch.num_experts * 3 * h * f,
+            "act_local": k * (h + 5 * f) + 2 * arch.num_experts,
+            "act_te": k * (h + 3 * f) + 2 * arch.num_experts}
+
+
+def expert_params_per_layer(arch, cfg: TrainConfig) -> float:
+    """This rank's expert parameters per layer (averaged): 1/EP of the experts, 1/ETP each."""
+    terms = moe_layer_terms(arch)
+    return terms["sparse_fraction"] * terms["expert_params"] / (
+        cfg.expert_model_parallel_size * cfg.expert_tp)
 
 
 def _stage_params(arch, t: int, pp: int, stage: int, layers: int) -> int:
@@ -173,6 +203,9 @@ def layer_activation_elements(arch, cfg: TrainConfig, seq_length: int) -> tuple[
         mlp = 3 * F  # swiglu input (2F) and output
     if "core_attn" in modules:  # checkpointed core attention keeps only its inputs q, k
         core = (a + g) * d
+    moe = moe_layer_terms(arch)
+    mlp = (1 - moe["sparse_fraction"]) * mlp + moe["sparse_fraction"] * (
+        moe["act_local"] if cfg.transformer_impl == "local" else moe["act_te"])
     if "mlp" in modules:  # the MLP's input is the (kept) norm output
         mlp = 0
     if "layernorm" in modules:
@@ -274,15 +307,19 @@ def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | No
     p_b, g_b, o_b = model_state_bytes_per_param(cfg, dp)
     layout = PipelineLayout.from_config(arch.num_layers, cfg)
     v = layout.num_model_chunks
+    expert_dp = world_size // (cfg.expert_model_parallel_size * cfg.expert_tp * pp)
+    o_b_experts = model_state_bytes_per_param(cfg, expert_dp)[2]
     stages = []
     for i, layers in enumerate(layout.stage_layers):
-        n = _stage_params(arch, t, pp, i, layers)
+        experts = int(layers * expert_params_per_layer(arch, cfg))
+        n = _stage_params(arch, t, pp, i, layers) + experts
         in_flight = min(pp - i, m) if v == 1 else min(2 * (pp - i - 1) + (v - 1) * pp + 1,
                                                       m * v)
         saved, working = _activation_bytes(arch, cfg, w, layers // v, in_flight, i, pp)
         stages.append(StagePlan(
             stage=i, layers=layers, in_flight=in_flight, params=int(n * p_b),
-            grads=int(n * g_b), optimizer=int(n * o_b), activations=saved,
+            grads=int(n * g_b), optimizer=int((n - experts) * o_b + experts * o_b_experts),
+            activations=saved,
             attention_mask=math.ceil(in_flight / v) * cfg.micro_batch_size * w.seq_length ** 2
             if w.attention_mask else 0,
             logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,

@@ -247,7 +247,8 @@ def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: 
 
     def fwd(logits, batch):
         fill_logprobs(logits, batch, vocab_size, temperature, backend)
-        return torch.zeros(()), {}
+        # on the logits' device: megatron's MoE schedule multiplies it by the CUDA loss scale
+        return logits.new_zeros(()), {}
 
     engine.forward_only(mbs, fwd)
 
