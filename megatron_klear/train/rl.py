@@ -405,14 +405,8 @@ def train(cfg: RLConfig) -> list[dict]:
                           flush_cache=not cfg.async_rollout)
         sync.connect()
         sync.sync(weight_version=str(step))  # servers start from the trainer's weights
-        source = RolloutSource(
-            functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
-                              params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
-                              max_rounds=cfg.max_sampling_rounds,
-                              normalize_std=cfg.advantage_std_norm),
-            stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
-            last_step=cfg.train_iters, version=step)
-        with contextlib.closing(source):
+        with contextlib.closing(rollout_source(cfg, client, tokenizer, stream, params,
+                                               step)) as source:
             while step < cfg.train_iters:
                 metrics = rl_step(engine, cfg, source, tokenizer, step)
                 step += 1
@@ -430,6 +424,18 @@ def train(cfg: RLConfig) -> list[dict]:
     if cfg.export_hf:
         engine.export_hf(cfg.export_hf, cfg.hf_checkpoint)
     return history
+
+
+def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStream,
+                   params: Any, step: int) -> RolloutSource:
+    """The run's batches from ``stream``: collected when a step starts, or with
+    ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
+    collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
+                                params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
+                                max_rounds=cfg.max_sampling_rounds,
+                                normalize_std=cfg.advantage_std_norm)
+    return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
+                         last_step=cfg.train_iters, version=step)
 
 
 def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any,
