@@ -1,6 +1,6 @@
 """RL step speed: packed vs padded training on long-tail lengths, and klear-rl vs TRL.
 
-  python benchmarks/bench_rl_step.py [--steps 5] [--repeats 2] [--part all|packing|trl]
+  python benchmarks/bench_rl_step.py [--steps 5] [--repeats 2] [--part all|packing|trl|async]
 
 Part 1 (packing): the training phase of one RL step (old log-probs where needed + one
 optimizer step) on a rollout batch with long-tail response lengths (max/mean ~ 4), padded
@@ -14,6 +14,10 @@ by side and repeated, at two settings: this bench's own ("bench") and the held-o
 shape ("held-out": hidden 128, 4 layers, 16 prompts x 8 samples, 32 new tokens, fp32).
 TRL is not a dependency of megatron-klear: ``pip install trl`` adds the peer column;
 without it the bench says so and prints klear-rl alone.
+
+Part 3 (async): wall seconds per RL step of klear-rl synchronous vs ``--async-rollout``
+(--max-staleness 1, --async-inflight pause_in_place), same seeds, model, prompts and embedded
+server, runs alternating; ratio sync / async (> 1: async is faster).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 PHASES = ("time/generate_s", "time/reward_s", "time/old_logprob_s", "time/train_s",
           "weight_sync/seconds")
@@ -125,8 +130,9 @@ def packing_part(work: Path, repeats: int) -> dict:
 # --------------------------------------------------------------------------- part 2: vs TRL
 
 def klear_step(hf: Path, data: Path, work: Path, prompts: int, n: int, max_new: int,
-               layout: str, steps: int) -> dict:
-    """Mean wall seconds per RL step (steps 2..) and mean phases of one klear-rl run."""
+               layout: str, steps: int, extra: Sequence[str] = (), threads: int = 2) -> dict:
+    """Mean wall seconds per RL step (steps 2..) and mean phases of one klear-rl run
+    (``extra``: more klear-rl flags; ``threads``: the trainer's, split among its ranks)."""
     from megatron_klear.train.metrics import read_metrics
 
     procs, flags = LAYOUTS[layout]
@@ -138,12 +144,15 @@ def klear_step(hf: Path, data: Path, work: Path, prompts: int, n: int, max_new: 
            "--max-tokens-per-gpu", "4096", "--micro-batch-size", "1",
            "--rollout-max-response-len", str(max_new), "--no-dynamic-sampling",
            "--train-iters", str(steps), "--save", str(save), "--no-progress-bar",
-           "--no-probe-weights", "--lr", "2e-4"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(2 // procs))
-    subprocess.run(cmd, check=True, capture_output=True, env=env)
+           "--no-probe-weights", "--lr", "2e-4", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(threads // procs, 1)))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"klear-rl failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
     records = read_metrics(save / "metrics.jsonl")
     rows = records[1:]  # step 1 includes warm-up
-    out = {k: statistics.mean(r.get(k, 0.0) for r in rows) for k in PHASES}
+    out = {k: statistics.mean(r.get(k, 0.0) for r in rows)
+           for k in (*PHASES, "time/rollout_s", "rollout/staleness")}
     out["seconds_per_step"] = (records[-1]["time"] - records[0]["time"]) / len(rows)
     return out
 
@@ -198,6 +207,52 @@ def trl_part(work: Path, steps: int, repeats: int, layouts: list[str], settings:
     return result
 
 
+# --------------------------------------------------------------------------- part 3: async
+
+ASYNC_FLAGS = ["--async-rollout", "--max-staleness", "1", "--async-inflight", "pause_in_place"]
+# name -> (trainer threads, flags); the embedded server decodes on 1 thread. Async overlaps
+# the trainer with the server, so on 2 cores it may fare better with a 1-thread trainer; both
+# modes run at both thread counts, and the best of each is compared.
+ASYNC_MODES = {f"{mode}-{t}thread": (t, flags) for t in (2, 1)
+               for mode, flags in (("sync", []), ("async", ASYNC_FLAGS))}
+
+
+def async_part(work: Path, steps: int, repeats: int, setting: str) -> dict:
+    """Seconds per RL step, synchronous vs --async-rollout, alternating in one run."""
+    from megatron_klear.data.synthetic import write_arithmetic_data
+    from megatron_klear.models.tiny import save_tiny_hf_model
+
+    data = write_arithmetic_data(work / "data_async")["rl"]
+    arch, prompts, n, max_new = SETTINGS[setting]
+    hf = save_tiny_hf_model(work / f"hf_async_{setting}", seed=0, **arch)
+    runs: dict[str, list] = {m: [] for m in ASYNC_MODES}
+    for _ in range(repeats):
+        for mode, (threads, flags) in ASYNC_MODES.items():
+            runs[mode].append(klear_step(hf, data, work, prompts, n, max_new, "tp1-1rank",
+                                         steps, flags, threads))
+    med = {m: statistics.median(r["seconds_per_step"] for r in rs) for m, rs in runs.items()}
+    print(f"Part 3 [{setting}]: sync vs async, {prompts} prompts x {n} samples, {max_new} new "
+          f"tokens, tp1-1rank + 1 embedded server; median of {repeats} runs of {steps} steps "
+          "(step 1 dropped)")
+    for mode, rs in runs.items():
+        ph = {k: statistics.median(r[k] for r in rs)
+              for k in ("time/rollout_s", "time/generate_s", "time/train_s",
+                        "weight_sync/seconds", "rollout/staleness")}
+        laps = ", ".join(f"{r['seconds_per_step']:.3f}" for r in rs)
+        print(f"  {mode:14s} {med[mode]:6.3f} s/step (runs: {laps}; wait for batch "
+              f"{ph['time/rollout_s']:.3f}, generate {ph['time/generate_s']:.3f}, train "
+              f"{ph['time/train_s']:.3f}, sync {ph['weight_sync/seconds']:.3f}, staleness "
+              f"{ph['rollout/staleness']:.2f})")
+    best = {m: min((k for k in med if k.startswith(m)), key=med.get) for m in ("sync", "async")}
+    ratio = med[best["sync"]] / med[best["async"]]
+    for t in (2, 1):
+        same = med[f"sync-{t}thread"] / med[f"async-{t}thread"]
+        print(f"  {t} trainer thread(s): sync / async {same:.2f}x")
+    print(f"  best sync ({best['sync']}) / best async ({best['async']}): {ratio:.2f}x per RL step "
+          "(> 1: async faster; target: faster)")
+    return {"async_seconds_per_step": med, "async_best": best, "async_speedup": ratio}
+
+
 def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, steps: int) -> None:
     """TRL's GRPOTrainer on the same setup; prints the mean seconds per RL step.
 
@@ -242,7 +297,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--part", choices=("all", "packing", "trl"), default="all")
+    p.add_argument("--part", choices=("all", "packing", "trl", "async"), default="all")
     p.add_argument("--layouts", default="tp1-1rank,tp1-dp2,tp2",
                    help=f"klear-rl layouts to time, from {sorted(LAYOUTS)}")
     p.add_argument("--settings", default="bench,held-out", help=f"from {sorted(SETTINGS)}")
@@ -255,6 +310,8 @@ def main() -> None:
     if args.part in ("all", "trl"):
         result.update(trl_part(work, args.steps, args.repeats, args.layouts.split(","),
                                args.settings.split(",")))
+    if args.part in ("all", "async"):
+        result.update(async_part(work, args.steps, args.repeats, args.settings.split(",")[0]))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print(json.dumps(result))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_klear.train.metrics import read_metrics
-from tests.dist import run_distributed
+from tests.dist import free_port, run_distributed
 from tests.rollout_helpers import cmdline
 
 EPS_L, EPS_H, ALPHA = 0.2, 0.28, 0.1
@@ -308,3 +308,36 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
         for key in ("train/loss", "train/policy_loss", "rollout/reward_mean",
                     "data/consumed_prompts", "data/prompt_indices"):
             assert got[step][key] == ref[step][key], (step, key)
+
+
+def test_killed_async_run_resumes_exactly(hf_model, prompts, tmp_path):
+    """--async-rollout: SIGKILL after step 2 with step 3's batch generated ahead; the resumed
+    run trains every prompt of the epoch exactly once (the checkpoint holds the cursor of the
+    trained batches, not the prefetch's: saving the prefetch cursor repeats/loses prompts)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    run = tmp_path / "run"
+    cli = [sys.executable, "-m", "megatron_klear.train.rl",
+           *_rl_args(hf_model, prompts, run, 3, "--save-interval", "1", "--async-rollout",
+                     "--no-dynamic-sampling", "--no-probe-weights")]
+    proc = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    subprocess.run(cli, check=True, env=env, capture_output=True)
+    records = read_metrics(metrics)  # the killed run's lines and the resumed run's
+    last = {r["step"]: r for r in records}
+    assert sorted(last) == [1, 2, 3]
+    assert [last[s]["data/consumed_prompts"] for s in (1, 2, 3)] == [4, 8, 12]
+    trained = [i for s in (1, 2, 3) for i in last[s]["data/prompt_indices"]]
+    assert sorted(trained) == list(range(12))  # 12 prompts, one epoch: none lost or repeated
+    for r in records:  # a step redone after the kill trains the same prompts as before it
+        assert r["data/prompt_indices"] == last[r["step"]]["data/prompt_indices"], r["step"]
+    staleness = {(r["step"], r["rollout/staleness"]) for r in records}
+    assert (1, 0.0) in staleness and all(s <= 1 for _, s in staleness), staleness
+    assert any(s == 1 for _, s in staleness), staleness  # batches really were generated ahead

@@ -232,3 +232,46 @@ def test_generate_inside_running_event_loop(client):
         return client.generate(["a"], SamplingParams(max_new_tokens=2))
 
     assert len(asyncio.run(caller())[0][0].output_ids) >= 1
+
+
+@pytest.mark.parametrize("retract", [True, False], ids=["retract", "in_place"])
+def test_retract_pause_reprefills_with_the_new_weights(model_dir, reference, tmp_path, retract):
+    """A weight update while decoding is paused after 3 tokens: with a ``retract`` pause the
+    rest is sampled from the new weights over prompt + tokens so far (as SGLang re-prefills a
+    retracted request); ``in_place`` keeps the old KV cache, so token 3 still comes from the
+    logits the old weights computed."""
+    from megatron_klear.rollout.generator import Generator, Sequence
+    from megatron_klear.rollout.sampling import SamplingConfig
+
+    old_ref, _ = reference
+    new_ref, _ = load_reference(make_tiny_model(tmp_path / "new", seed=1))
+    gen = Generator(model_dir, seed=0)
+    retract_flag = threading.Event()
+
+    class PauseAfter3(threading.Event):  # the real Event; the 4th wait is the pause
+        calls = 0
+
+        def wait(self, timeout=None):
+            self.calls += 1
+            if self.calls == 4:  # a weight update as receive_weights loads it, under the lock
+                with gen.lock:
+                    for name, p in new_ref.named_parameters():
+                        gen.params[name].copy_(p)
+                if retract:
+                    retract_flag.set()
+            return super().wait(timeout)
+
+    running = PauseAfter3()
+    running.set()
+    seq = Sequence([5, 6, 7, 8], SamplingConfig(max_new_tokens=8, ignore_eos=True), seed=3)
+    gen.run_batch([seq], threading.Event(), running, retract_flag)
+    ids = seq.prompt_ids + seq.output_ids
+    got = torch.tensor(seq.logprobs)
+    old = reference_logprobs(old_ref, ids)[len(seq.prompt_ids) - 1:]
+    new = reference_logprobs(new_ref, ids)[len(seq.prompt_ids) - 1:]
+    assert len(got) == 8 and (got[:3] - old[:3]).abs().max() < 1e-4  # before the update
+    assert (old[3:] - new[3:]).abs().max() > 1e-2  # the two models disagree
+    if retract:
+        assert (got[3:] - new[3:]).abs().max() < 1e-4
+    else:
+        assert abs(got[3] - old[3]) < 1e-4 and (got[4:] - new[4:]).abs().max() > 1e-3

@@ -4,7 +4,8 @@ One :class:`Generator` owns the transformers model. :meth:`Generator.run_batch` 
 batch of sequences (the n samples of every request the scheduler gathered) together: the
 prompts are left-padded, prefilled once, then decoded step by step with a shared KV cache.
 The model lock is taken per forward step, so a weight update waits at most one step and
-a paused batch (``in_place``) does not block it.
+a paused batch (``in_place``, ``retract``) does not block it; after a ``retract`` pause the
+batch is prefilled again with the new weights.
 """
 
 from __future__ import annotations
@@ -93,20 +94,17 @@ class Generator:
     # ------------------------------------------------------------------ decoding
     @torch.no_grad()
     def run_batch(self, seqs: list[Sequence], abort: threading.Event,
-                  running: threading.Event) -> None:
+                  running: threading.Event, retract: threading.Event | None = None) -> None:
         """Decode ``seqs`` to completion in place (``finish_reason`` set on every one).
 
         ``running`` is cleared while generation is paused (decoding waits between steps);
-        ``abort`` set finishes every unfinished sequence with reason ``abort``.
+        ``abort`` set finishes every unfinished sequence with reason ``abort``; ``retract`` set
+        (a ``retract`` pause, as SGLang's) drops the KV cache when decoding resumes and
+        prefills prompt + tokens so far again with the weights loaded meanwhile.
         """
-        from transformers import DynamicCache
-
-        ids, mask = self._left_pad([s.prompt_ids for s in seqs])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
-        logits = self._forward(ids, mask, positions, cache)
+        ids, logits, mask, pos, cache = self._prefill(seqs)
         self._fill_input_logprobs(seqs, ids, logits)
-        last, pos = logits[:, -1], positions[:, -1:]
+        last = logits[:, -1]
         for s in seqs:
             if s.cfg.max_new_tokens == 0:
                 self._finish(s, {"type": "length", "length": 0})
@@ -116,6 +114,10 @@ class Generator:
             if abort.is_set():
                 self._abort(seqs)
                 break
+            if retract is not None and retract.is_set():
+                retract.clear()
+                _, logits, mask, pos, cache = self._prefill(seqs)
+                last = logits[:, -1]
             self._step(seqs, token_logprobs(last, temps))
             if all(s.finish_reason is not None for s in seqs):
                 break
@@ -123,6 +125,17 @@ class Generator:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos + 1
             last = self._forward(nxt, mask, pos, cache)[:, -1]
+
+    def _prefill(self, seqs: list[Sequence]):
+        """A fresh KV cache of every sequence's prompt + tokens so far (left-padded): the ids,
+        logits, attention mask, last positions and cache."""
+        from transformers import DynamicCache
+
+        ids, mask = self._left_pad([s.prompt_ids + s.output_ids for s in seqs])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        logits = self._forward(ids, mask, positions, cache)
+        return ids, logits, mask, positions[:, -1:], cache
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache) -> torch.Tensor:

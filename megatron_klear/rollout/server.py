@@ -88,6 +88,7 @@ class RolloutServer:
         self.running: list[_Request] = []
         self.wakeup = asyncio.Event()
         self.abort = threading.Event()
+        self.retract = threading.Event()  # the running batch re-prefills when it resumes
         self.resumed = threading.Event()
         self.resumed.set()
         self.groups: dict[str, UpdateGroup] = {}
@@ -111,8 +112,10 @@ class RolloutServer:
 
     async def _run(self, batch: list[_Request]) -> None:
         seqs = [s for r in batch for s in r.seqs]
+        self.retract.clear()  # a new batch prefills with the weights loaded now anyway
         try:
-            await asyncio.to_thread(self.gen.run_batch, seqs, self.abort, self.resumed)
+            await asyncio.to_thread(self.gen.run_batch, seqs, self.abort, self.resumed,
+                                    self.retract)
         except Exception as exc:  # a model failure fails these requests, not the server
             log.exception("generation failed")
             for r in batch:
@@ -243,6 +246,8 @@ class RolloutServer:
         if mode not in ("abort", "in_place", "retract"):
             raise RequestError(f"mode={mode!r}: expected 'abort', 'in_place' or 'retract'")
         self.resumed.clear()
+        if mode == "retract":
+            self.retract.set()
         if mode == "abort":
             self.abort.set()
             await self._abort_pending()

@@ -124,7 +124,7 @@ class WeightSync:
                  backend: str | None = None, dtype: torch.dtype | None = None,
                  pause_mode: str = "abort", load_format: str | None = "flattened_bucket",
                  rollout_client: RolloutClient | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, flush_cache: bool = True) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be > 0")
         if load_format not in (None, "flattened_bucket"):
@@ -141,6 +141,9 @@ class WeightSync:
         self.master_port = master_port if master_port is None else master_port + self.stage
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.pause_mode, self.timeout_s, self.load_format = pause_mode, timeout_s, load_format
+        # flushing waits for an idle server: only right when nothing stays in flight (an
+        # in_place/retract pause keeps its requests; an aborted one comes back as a retry)
+        self.flush_cache = flush_cache
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if self.backend == "nccl" else torch.device("cpu")
         self.group: UpdateGroup | None = None
@@ -286,7 +289,8 @@ class WeightSync:
 
     def _admin_before(self) -> None:
         self.client.post_all("/pause_generation", {"mode": self.pause_mode})
-        self._flush_cache()
+        if self.flush_cache:
+            self._flush_cache()
         self._check(self.client.post_all("/begin_weight_update", {}), "/begin_weight_update")
 
     def _admin_after(self) -> None:

@@ -9,6 +9,7 @@ token-level mean over the mini-batch -> weight sync to the rollout servers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -24,12 +25,18 @@ from megatron_klear.data.packing import pack_bins, thd_pack
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
+from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
 from megatron_klear.train.memory import Workload
 from megatron_klear.train.metrics import MetricsLogger
 from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
     collect_batch
+
+
+# --async-inflight -> the /pause_generation mode of every weight sync (SGLang's names)
+INFLIGHT_PAUSE_MODES = {"pause_in_place": "in_place", "pause_retract": "retract",
+                        "abort": "abort"}
 
 
 @dataclass
@@ -83,6 +90,16 @@ class RLConfig(TrainConfig):
                                                  "(default: none for mis, 0.5 for icepop)")
     tis_cap: float | None = opt(None, "alias of --rollout-correction tis "
                                 "--rollout-correction-level token --rollout-correction-cap C")
+    async_rollout: bool = opt(False, "generate the next steps' batches while this step trains "
+                              "(off-policy by up to --max-staleness weight updates; "
+                              "docs/training.md)")
+    max_staleness: int = opt(1, "with --async-rollout: batches generated ahead, i.e. the most "
+                             "weight updates a trained batch's rollout weights may lag")
+    async_inflight: str = opt("pause_in_place", "with --async-rollout: what a weight update does "
+                              "to requests in flight: SGLang's /pause_generation in_place (keep "
+                              "decoding with the new weights), retract (re-prefill the tokens so "
+                              "far with the new weights), or abort (regenerate them)",
+                              choices=tuple(INFLIGHT_PAUSE_MODES))
     weight_sync_bucket_mb: int = opt(512, "weight-sync bucket size (MiB)")
     weight_sync_format: str = opt("flattened_bucket", "one broadcast per bucket, or per tensor "
                                   "(faster over gloo on CPU: no packing copy)",
@@ -120,6 +137,9 @@ class RLConfig(TrainConfig):
             raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
                               f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
         self.correction()
+        if self.max_staleness < 1:
+            raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
+                              f"--async-rollout), got {self.max_staleness}")
         if self.max_tokens_per_gpu is not None:
             if self.max_tokens_per_gpu < 2:
                 raise ConfigError(f"--max-tokens-per-gpu must be >= 2, got "
@@ -375,25 +395,31 @@ def train(cfg: RLConfig) -> list[dict]:
     history: list[dict] = []
     with rollout_servers(cfg) as servers:
         client = RolloutClient(servers.urls)
+        # synchronous runs have nothing in flight at a sync: abort + flush is the clean state
         sync = WeightSync(servers.urls, engine.model, arch,
                           bucket_bytes=cfg.weight_sync_bucket_mb * 2**20,
                           load_format=None if cfg.weight_sync_format == "per_tensor"
                           else cfg.weight_sync_format,
-                          master_addr=cfg.weight_sync_master_addr, rollout_client=client)
+                          master_addr=cfg.weight_sync_master_addr, rollout_client=client,
+                          pause_mode=INFLIGHT_PAUSE_MODES[cfg.async_inflight]
+                          if cfg.async_rollout else "abort",
+                          flush_cache=not cfg.async_rollout)
         sync.connect()
         sync.sync(weight_version=str(step))  # servers start from the trainer's weights
-        while step < cfg.train_iters:
-            metrics = rl_step(engine, cfg, client, tokenizer, stream, params)
-            step += 1
-            metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
-            if cfg.eval_data and cfg.eval_interval and step % cfg.eval_interval == 0:
-                metrics.update(periodic_eval(cfg, client, tokenizer))
-            metrics["data/consumed_prompts"] = stream.consumed
-            log.log(step, metrics)
-            history.append(metrics)
-            if cfg.save and (step == cfg.train_iters or
-                             (cfg.save_interval and step % cfg.save_interval == 0)):
-                engine.save(step, {"consumed_prompts": stream.consumed})
+        with contextlib.closing(rollout_source(cfg, client, tokenizer, stream, params,
+                                               step)) as source:
+            while step < cfg.train_iters:
+                metrics = rl_step(engine, cfg, source, tokenizer, step)
+                step += 1
+                metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
+                source.weights_updated(step)
+                if cfg.eval_data and cfg.eval_interval and step % cfg.eval_interval == 0:
+                    metrics.update(periodic_eval(cfg, client, tokenizer))
+                log.log(step, metrics)
+                history.append(metrics)
+                if cfg.save and (step == cfg.train_iters or
+                                 (cfg.save_interval and step % cfg.save_interval == 0)):
+                    engine.save(step, {"consumed_prompts": metrics["data/consumed_prompts"]})
         sync.close()
     log.close()
     if cfg.export_hf:
@@ -401,21 +427,30 @@ def train(cfg: RLConfig) -> list[dict]:
     return history
 
 
-def rl_step(engine: Engine, cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStream,
-            params: Any) -> dict:
-    """Collect a batch on rank 0, share it, and train on it."""
+def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStream,
+                   params: Any, step: int) -> RolloutSource:
+    """The run's batches from ``stream``: collected when a step starts, or with
+    ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
+    collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
+                                params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
+                                max_rounds=cfg.max_sampling_rounds,
+                                normalize_std=cfg.advantage_std_norm)
+    return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
+                         last_step=cfg.train_iters, version=step)
+
+
+def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any,
+            step: int) -> dict:
+    """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it."""
     t0 = time.time()
-    batch = None
-    if torch.distributed.get_rank() == 0:
-        batch = collect_batch(client, tokenizer, stream, cfg.rollout_batch_size, params,
-                              cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
-                              max_rounds=cfg.max_sampling_rounds,
-                              normalize_std=cfg.advantage_std_norm)
-    batch, stream.consumed = broadcast_batch((batch, stream.consumed))
-    t_rollout = time.time() - t0
+    got = source.next(step) if torch.distributed.get_rank() == 0 else None
+    batch, cursor, version = broadcast_batch(
+        (got.batch, got.cursor, got.version) if got else None)
     metrics = dict(batch.stats)
-    metrics["time/rollout_s"] = t_rollout
+    metrics["time/rollout_s"] = time.time() - t0  # async: only the wait for the batch
+    metrics["rollout/staleness"] = float(step - version)  # weight updates since it began
     metrics["data/prompt_indices"] = sorted(set(batch.prompt_index))
+    metrics["data/consumed_prompts"] = cursor  # the checkpoint resumes after this batch
     usable = batch.groups() // cfg.mini_batch_size * cfg.mini_batch_size
     if usable == 0:  # fewer informative groups than one mini-batch even after refilling
         metrics["train/skipped_step"] = 1.0

@@ -1,0 +1,51 @@
+"""RolloutSource's queue on its own (the end-to-end async run is in tests/test_rl.py).
+
+``collect`` here stands in for rl_data.collect_batch: it draws from the real PromptStream and
+returns a RolloutBatch of the drawn prompts, as collect_batch does with --no-dynamic-sampling.
+"""
+
+import threading
+import time
+
+import pytest
+
+from megatron_klear.data.prompts import PromptSample
+from megatron_klear.train.async_rollout import RolloutSource
+from megatron_klear.train.rl_data import PromptStream, RolloutBatch
+
+
+def _source(ahead: int, steps: int, calls: list):
+    stream = PromptStream([PromptSample(i, [], None) for i in range(40)], seed=1)
+
+    def collect() -> RolloutBatch:
+        calls.append(threading.current_thread() is threading.main_thread())
+        time.sleep(0.01)  # generation takes a while
+        batch = RolloutBatch(1)
+        batch.prompt_index = [p.index for _, p in stream.take(4)]
+        return batch
+
+    return RolloutSource(collect, stream, ahead=ahead, last_step=steps, version=0)
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 3])
+def test_batches_in_order_staleness_bounded_none_past_the_end(ahead):
+    calls: list = []
+    source = _source(ahead, 6, calls)
+    expected = PromptStream([PromptSample(i, [], None) for i in range(40)], seed=1).take(24)
+    staleness = []
+    try:
+        for step in range(6):
+            got = source.next(step)
+            assert got.cursor == 4 * (step + 1)  # the stream position after this batch
+            assert got.batch.prompt_index == [p.index for _, p in expected[4 * step:4 * step + 4]]
+            staleness.append(step - got.version)
+            time.sleep(0.2)  # "training": the batches ahead start before it ends
+            source.weights_updated(step + 1)
+    finally:
+        source.close()
+    assert len(calls) == 6  # nothing generated for a step past --train-iters
+    assert all(0 <= s <= ahead for s in staleness), staleness
+    if ahead == 0:
+        assert staleness == [0] * 6 and all(calls)  # synchronous: generated on the caller
+    else:
+        assert not any(calls) and max(staleness) == ahead  # generated ahead, on the thread
