@@ -8,7 +8,6 @@ template: they run (raw, with a notice), and asking for chat is a one-line error
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import sys
 import pytest
 
 from megatron_klear.data.prompts import DataError, render_prompt, set_prompt_template
-from megatron_klear.models.tiny import CHAT_TEMPLATE, build_tokenizer
+from megatron_klear.models.tiny import build_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
 REWARD = "tests.reward_plugins:parity_reward"
@@ -92,14 +91,6 @@ def plain_model(tmp_path_factory):
     return hf, data
 
 
-def _free_port_env() -> dict:
-    """klear-rl as one process starts torch.distributed on MASTER_PORT (default 29500,
-    which other runs on a shared machine may hold): give it a free one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return dict(os.environ, MASTER_PORT=str(s.getsockname()[1]))
-
-
 def _rl(hf, data, save, *extra):
     return [sys.executable, "-m", "megatron_klear.train.rl", "--hf-checkpoint", str(hf),
             "--prompt-data", str(data), "--save", str(save), "--reward", REWARD,
@@ -116,8 +107,11 @@ def _eval(hf, data, out, *extra):
 
 def test_klear_rl_and_klear_eval_run_without_a_chat_template(plain_model, tmp_path):
     hf, data = plain_model
-    rl = subprocess.run(_rl(hf, data, tmp_path / "rl"), capture_output=True, text=True,
-                        timeout=300, env=_free_port_env())
+    with socket.socket() as busy:  # one-process klear-rl picks a free port, not torch's 29500
+        busy.bind(("127.0.0.1", 29500))
+        busy.listen()
+        rl = subprocess.run(_rl(hf, data, tmp_path / "rl"), capture_output=True, text=True,
+                            timeout=300)
     assert rl.returncode == 0, rl.stderr[-3000:]
     assert "prompts are rendered raw" in rl.stderr
     assert len((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()) == 1
@@ -135,7 +129,7 @@ def test_chat_without_a_template_is_a_one_line_error(plain_model, tmp_path, cli)
     argv = (_rl(hf, data, tmp_path / "o", "--prompt-template", "chat") if cli == "klear-rl"
             else _eval(hf, data, tmp_path / "o", "--prompt-template", "chat"))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                          env=_free_port_env())
+                          )
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: --prompt-template chat: the tokenizer has no chat template; pass "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_klear.train.metrics import read_metrics
-from tests.dist import free_port, run_distributed
+from tests.dist import run_distributed
 from tests.rollout_helpers import cmdline
 
 EPS_L, EPS_H, ALPHA = 0.2, 0.28, 0.1
@@ -314,7 +314,7 @@ def test_killed_async_run_resumes_exactly(hf_model, prompts, tmp_path):
     """--async-rollout: SIGKILL after step 2 with step 3's batch generated ahead; the resumed
     run trains every prompt of the epoch exactly once (the checkpoint holds the cursor of the
     trained batches, not the prefetch's: saving the prefetch cursor repeats/loses prompts)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     run = tmp_path / "run"
     cli = [sys.executable, "-m", "megatron_klear.train.rl",
            *_rl_args(hf_model, prompts, run, 3, "--save-interval", "1", "--async-rollout",

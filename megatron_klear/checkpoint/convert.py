@@ -54,22 +54,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _init_dist() -> None:
-    """torch.distributed on a free port when not under torchrun (one process)."""
-    import socket
-
-    if not dist.is_initialized() and "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-
-
 def init_parallel(tp: int, pp: int, seed: int = 1234) -> None:
     """torch.distributed (on a free port when not under torchrun) + megatron parallel state
     with exactly ``tp * pp`` processes."""
     from megatron_klear.train.engine import initialize_parallel
 
-    _init_dist()
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if world != tp * pp:
         raise ConversionError(f"--tp {tp} x --pp {pp} needs {tp * pp} processes, got {world}; "
@@ -82,7 +71,6 @@ def _init_conversion() -> None:
     the files, not the model)."""
     from megatron_klear.train.engine import initialize_parallel
 
-    _init_dist()
     initialize_parallel(1, 1)
 
 

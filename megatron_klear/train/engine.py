@@ -25,6 +25,14 @@ from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
 from megatron_klear.train.context_parallel import slice_batch
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int | None = None,
                         cp: int = 1, ep: int = 1, etp: int | None = None) -> platform.Platform:
     """Initialise torch.distributed from the torchrun environment and megatron's parallel state.
@@ -40,7 +48,8 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int 
     plat = platform.setup()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:  # one process, not under torchrun: a free port
+            os.environ["MASTER_PORT"] = str(_free_port())
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(plat.backend)
