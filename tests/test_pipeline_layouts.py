@@ -10,6 +10,9 @@
   Transformer Engine's, GPU only).
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +24,7 @@ from tests.dist import run_distributed
 from tests.test_engine import VOCAB, _make_batches
 
 STEPS = 4
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 # ---------------------------------------------------------------- layouts (no processes)
@@ -312,17 +316,28 @@ def test_context_parallel_loss_and_normaliser_equal_no_cp():
 
 
 # ---------------------------------------------------------------- memory plan (no processes)
-def test_memory_plan_follows_the_layout():
-    """Per-stage layers and parameters of the 94-layer example, CP halving activations,
+def _dense_94_layers(tmp_path) -> Path:
+    """Qwen3-235B-A22B's depth and attention shape (examples/uneven_pp_94_layers) as a DENSE
+    model, so the per-stage parameters below stay hand-computable (MoE: tests/test_moe.py)."""
+    cfg = json.loads((EXAMPLES / "uneven_pp_94_layers/hf_config/config.json").read_text())
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
+                "output_router_logits"):
+        cfg.pop(key)
+    cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_memory_plan_follows_the_layout(tmp_path):
+    """Per-stage layers and parameters of a 94-layer model, CP halving activations,
     interleaving's larger warm-up (hand-computed counts)."""
     from dataclasses import replace
-    from pathlib import Path
 
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.memory import plan_memory
 
-    root = Path(__file__).resolve().parents[1] / "examples"
-    arch = qwen3_config_from_hf(load_hf_config(root / "uneven_pp_94_layers/hf_config"))
+    arch = qwen3_config_from_hf(load_hf_config(_dense_94_layers(tmp_path)))
     cfg = TrainConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=4,
                       decoder_last_pipeline_num_layers=22, bf16=True, seq_length=4096,
                       global_batch_size=64, transformer_impl="transformer_engine")
@@ -337,7 +352,7 @@ def test_memory_plan_follows_the_layout():
     for a, b in zip(plan.stages, cp2.stages):
         assert abs(b.activations - a.activations / 2) <= 1
         assert abs(b.logits_loss - a.logits_loss / 2) <= 1
-    arch64 = qwen3_config_from_hf(load_hf_config(root / "qwen3_32b/hf_config"))  # 64 layers
+    arch64 = qwen3_config_from_hf(load_hf_config(EXAMPLES / "qwen3_32b/hf_config"))  # 64 layers
     even = replace(cfg, decoder_last_pipeline_num_layers=None, pipeline_model_parallel_size=2)
     vpp = plan_memory(arch64, replace(even, num_layers_per_virtual_pipeline_stage=16), 16)
     # PP2 x 2 chunks: stage i holds 2 (pp - i - 1) + (v - 1) pp + 1 chunk-micro-batches
@@ -345,12 +360,10 @@ def test_memory_plan_follows_the_layout():
     assert [st.in_flight for st in plan_memory(arch64, even, 16).stages] == [2, 1]
 
 
-def test_dry_run_checks_context_parallel_and_uneven_stages(monkeypatch, capsys):
-    from pathlib import Path
-
+def test_dry_run_checks_context_parallel_and_uneven_stages(monkeypatch, capsys, tmp_path):
     from megatron_klear.train.dry_run import dry_run
 
-    hf = Path(__file__).resolve().parents[1] / "examples/uneven_pp_94_layers/hf_config"
+    hf = _dense_94_layers(tmp_path)
     cfg = TrainConfig(hf_checkpoint=str(hf), tensor_model_parallel_size=4,
                       pipeline_model_parallel_size=4, decoder_last_pipeline_num_layers=22,
                       context_parallel_size=2, transformer_impl="transformer_engine",
