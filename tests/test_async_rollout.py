@@ -49,3 +49,20 @@ def test_batches_in_order_staleness_bounded_none_past_the_end(ahead):
         assert staleness == [0] * 6 and all(calls)  # synchronous: generated on the caller
     else:
         assert not any(calls) and max(staleness) == ahead  # generated ahead, on the thread
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--async-rollout", "--max-staleness", "0"], "--max-staleness must be >= 1"),
+    (["--max-staleness", "2"], "apply to --async-rollout only"),
+    (["--async-inflight", "abort"], "apply to --async-rollout only"),
+])
+def test_async_flags_errors_name_the_flag(argv, msg):
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.train.rl import RLConfig
+
+    required = ["--hf-checkpoint", "x", "--prompt-data", "x"]
+    with pytest.raises(ConfigError, match=msg):
+        parse_config(RLConfig, required + argv)
+    cfg = parse_config(RLConfig, required + ["--async-rollout", "--max-staleness", "2",
+                                             "--async-inflight", "abort"])
+    assert (cfg.max_staleness, cfg.async_inflight) == (2, "abort")

@@ -140,6 +140,10 @@ class RLConfig(TrainConfig):
         if self.max_staleness < 1:
             raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
                               f"--async-rollout), got {self.max_staleness}")
+        if not self.async_rollout and (self.max_staleness != 1
+                                       or self.async_inflight != "pause_in_place"):
+            raise ConfigError("--max-staleness and --async-inflight apply to --async-rollout only; "
+                              "add --async-rollout or drop them")
         if self.max_tokens_per_gpu is not None:
             if self.max_tokens_per_gpu < 2:
                 raise ConfigError(f"--max-tokens-per-gpu must be >= 2, got "
