@@ -38,7 +38,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import socket
 import time
 from typing import Any, Iterable, Iterator
 
@@ -47,6 +46,7 @@ import torch.distributed as dist
 
 from megatron_klear import platform
 from megatron_klear.rollout.client import RolloutClient, RolloutError
+from megatron_klear.rollout.launcher import free_port
 from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, open_update_group,
                                                  routable_address)
 
@@ -216,7 +216,7 @@ class WeightSync:
                 raise WeightSyncError(f"{url}: the server runs pp_size={info['pp_size']}; weight "
                                       "sync supports servers with pp_size 1 (use --tp-size)")
             tps.append(int(info.get("tp_size", 1)))
-        port = self.master_port or _free_port(self.master_addr)
+        port = self.master_port or free_port(self.master_addr)
         offsets, world = rank_layout(tps)
         payloads = {url: {"master_address": self.master_addr, "master_port": port,
                           "rank_offset": offset, "world_size": world,
@@ -444,9 +444,3 @@ def _agree(error: BaseException | None) -> None:
         raise WeightSyncError(f"{type(error).__name__}: {error}") from error
     if float(flag) > 0:
         raise WeightSyncError("weight sync failed on another rank (its log names the cause)")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -21,16 +21,9 @@ from megatron_klear.config import TrainConfig
 from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import (Qwen3Arch, build_gpt_model, moe_config_kwargs,
                                          transformer_config)
+from megatron_klear.rollout.launcher import free_port
 from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
 from megatron_klear.train.context_parallel import slice_batch
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int | None = None,
@@ -49,7 +42,7 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:  # one process, not under torchrun: a free port
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(plat.backend)
