@@ -25,7 +25,8 @@ from megatron_klear.data.synthetic import write_arithmetic_data
 from megatron_klear.models.tiny import save_tiny_hf_model
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def run_logged(cmd: list[str], log: Path) -> None:
+    """Run one pipeline stage as a subprocess logging to ``log``; exit with its tail on failure."""
     print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with log.open("w") as f:
@@ -35,15 +36,18 @@ def _run(cmd: list[str], log: Path) -> None:
                  + "".join(log.read_text().splitlines(True)[-30:]))
 
 
-def _torchrun(nproc: int, module: str, args: list[str]) -> list[str]:
+def torchrun_cmd(nproc: int, module: str, args: list[str]) -> list[str]:
+    """The command line of a one-node torchrun of ``module`` on ``nproc`` ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", "-m", module, *args]
 
 
-def _eval(model: Path, data: Path, out: Path, k: int, seed: int) -> float:
-    _run([sys.executable, "-m", "megatron_klear.eval", "--model", str(model),
-          "--benchmark", f"arith={data}", "--k", str(k), "--temperature", "1.0",
-          "--max-new-tokens", "48", "--out-dir", str(out), "--seed", str(seed)], out.with_suffix(".log"))
+def eval_accuracy(model: Path, data: Path, out: Path, k: int, seed: int) -> float:
+    """avg@k of ``model`` on the arithmetic eval set at temperature 1.0 (klear-eval)."""
+    run_logged([sys.executable, "-m", "megatron_klear.eval", "--model", str(model),
+                "--benchmark", f"arith={data}", "--k", str(k), "--temperature", "1.0",
+                "--max-new-tokens", "48", "--out-dir", str(out), "--seed", str(seed)],
+               out.with_suffix(".log"))
     return json.loads((out / "report.json").read_text())["benchmarks"]["arith"][f"avg@{k}"]
 
 
@@ -57,9 +61,13 @@ def sft_args(out: Path, args: argparse.Namespace) -> list[str]:
             "--save", str(out / "sft_ckpt"), "--export-hf", str(out / "sft_hf"), "--no-progress-bar"]
 
 
-def rl_args(out: Path, args: argparse.Namespace) -> list[str]:
-    """klear-rl flags of the quickstart: GPPO at TP=2 with one embedded rollout server."""
-    return ["--hf-checkpoint", str(out / "sft_hf"), "--prompt-data", str(out / "data" / "rl.jsonl"),
+def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> list[str]:
+    """klear-rl flags of the quickstart: GPPO at TP=2 with one embedded rollout server.
+
+    ``start`` is the SFT model that RL begins from (default ``out/sft_hf``) and the prompts
+    are read from beside it, so several RL runs can share one SFT stage."""
+    start = start or out / "sft_hf"
+    return ["--hf-checkpoint", str(start), "--prompt-data", str(start.parent / "data" / "rl.jsonl"),
             "--tensor-model-parallel-size", "2", "--reward", "math",
             "--rollout-batch-size", "32", "--mini-batch-size", "16", "--n-samples-per-prompt", "8",
             "--micro-batch-size", "32", "--rollout-max-response-len", "48",
@@ -118,15 +126,15 @@ def main() -> None:
     t0 = time.time()
     save_tiny_hf_model(out / "base_hf", seed=args.seed)
     data = write_arithmetic_data(out / "data", seed=args.seed)
-    _run(_torchrun(2, "megatron_klear.train.sft", sft_args(out, args)), out / "logs" / "sft.log")
-    before = _eval(out / "sft_hf", data["eval"], out / "eval_before", args.eval_k, args.seed)
+    run_logged(torchrun_cmd(2, "megatron_klear.train.sft", sft_args(out, args)), out / "logs" / "sft.log")
+    before = eval_accuracy(out / "sft_hf", data["eval"], out / "eval_before", args.eval_k, args.seed)
     if args.sglang:
         with _sglang_server(out / "sft_hf", out / "logs" / "sglang") as url:
-            _run(_torchrun(2, "megatron_klear.train.rl", rl_args(out, args) + [
+            run_logged(torchrun_cmd(2, "megatron_klear.train.rl", rl_args(out, args) + [
                 "--rollout-urls", url]), out / "logs" / "rl.log")
     else:
-        _run(_torchrun(2, "megatron_klear.train.rl", rl_args(out, args)), out / "logs" / "rl.log")
-    after = _eval(out / "rl_hf", data["eval"], out / "eval_after", args.eval_k, args.seed)
+        run_logged(torchrun_cmd(2, "megatron_klear.train.rl", rl_args(out, args)), out / "logs" / "rl.log")
+    after = eval_accuracy(out / "rl_hf", data["eval"], out / "eval_after", args.eval_k, args.seed)
     from megatron_klear.train.plot import plot_metrics
 
     png = plot_metrics(out / "rl_ckpt" / "metrics.jsonl", out / "rl_dashboard.png")
