@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -33,12 +34,21 @@ namespace klear::cpu {
 #define KLEAR_AVX512 __attribute__((target("arch=x86-64-v4")))
 #define KLEAR_AVX512_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
 enum class Isa { kBase, kAvx2, kAvx512, kAvx512Bf16 };   // each level includes the previous
+constexpr const char* kIsaNames[] = {"base", "avx2", "avx512", "avx512bf16"};
+constexpr const char* kIsaVariable = "KLEAR_CPU_ISA";
+// The best copy this CPU runs, capped by the environment variable KLEAR_CPU_ISA (one of
+// kIsaNames) so that tests run every copy on one machine. An unknown value is ignored here; the
+// extension rejects it when it is imported (csrc/binding.cpp).
 inline Isa detect_isa() {
+  Isa isa = Isa::kBase;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = Isa::kAvx2;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-  return Isa::kBase;
+    isa = __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
+  if (const char* cap = std::getenv(kIsaVariable))
+    for (int i = 0; i < static_cast<int>(isa); ++i)
+      if (std::strcmp(cap, kIsaNames[i]) == 0) isa = static_cast<Isa>(i);
+  return isa;
 }
 inline Isa cpu_isa() {
   static const Isa isa = detect_isa();
