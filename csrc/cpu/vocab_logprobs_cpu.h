@@ -136,7 +136,8 @@ KLEAR_AVX512 KLEAR_INLINE __m512 odd(__m512i v) {
   const __m512i high_halves = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   return _mm512_castsi512_ps(_mm512_and_si512(v, high_halves));
 }
-// Elements [j, j + 32) of a row of n (fewer at the tail: -inf fills the rest).
+// The 32 bf16 at p, of which the first `left` are in the row (-inf fills the rest at a row's
+// tail; masked-off lanes are neither read nor faulted on).
 KLEAR_AVX512 KLEAR_INLINE __m512i load32(const bf16_t* p, int64_t left) {
   if (left >= 32) return _mm512_loadu_si512(p);
   const __mmask32 k = static_cast<__mmask32>((1ull << left) - 1);
