@@ -261,8 +261,12 @@ def main(argv=None) -> int:
     methods = _methods(args.device)
     if args.methods:
         methods = [m for m in methods if m in args.methods]
-    print(f"# device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"methods={methods}")
+    kernels = ""
+    if args.device == "cpu" and "cpu" in available_backends("cpu"):
+        from megatron_klear import _C
+        kernels = f" cpu_kernels={_C.cpu_isa()}"   # the copy chosen at run time (csrc/cpu/)
+    print(f"# device={args.device} dtype={args.dtype} threads={torch.get_num_threads()}"
+          f"{kernels} methods={methods}")
     print("| T | V/TP | method | fwd+bwd ms | peak extra MiB | speed-up vs torch / megatron | "
           "memory vs torch / megatron | bandwidth (3 x logits bytes) vs copy |")
     print("|---|---|---|---|---|---|---|---|")

@@ -2,6 +2,10 @@
 // megatron_klear._C registers the `klear::` ops and their CPU implementations. The CUDA
 // implementations are registered by cuda_binding.cpp (built only with CUDA torch). Autograd is
 // provided on the Python side (megatron_klear/ops/policy_loss.py) around these ops.
+#include <iterator>
+#include <string>
+#include <vector>
+
 #include <ATen/Dispatch.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -102,5 +106,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       true;
 #else
       false;
+#endif
+  // The CPU kernel copy this process runs (KLEAR_CPU_ISA caps it; megatron_klear/ops checks the
+  // variable against cpu_isa_names).
+#if KLEAR_X86_DISPATCH
+  m.attr("cpu_isa_names") = std::vector<std::string>(std::begin(klear::cpu::kIsaNames),
+                                                      std::end(klear::cpu::kIsaNames));
+  m.def("cpu_isa", [] {
+    return std::string(klear::cpu::kIsaNames[static_cast<int>(klear::cpu::cpu_isa())]);
+  });
+#else
+  m.attr("cpu_isa_names") = std::vector<std::string>{"base"};
+  m.def("cpu_isa", [] { return std::string("base"); });
 #endif
 }

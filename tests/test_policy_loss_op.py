@@ -123,6 +123,11 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="inplace_backward=True needs contiguous logits"):
         vocab_parallel_policy_loss(inp["logits"].t().contiguous().t(), *args[1:],
                                    inplace_backward=True)
+    monkeypatch.setenv("KLEAR_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="KLEAR_CPU_ISA='avx9000' names no CPU kernel copy: "
+                                         "use one of base, avx2, avx512, avx512bf16"):
+        vocab_parallel_policy_loss(*args, backend="cpu")
+    monkeypatch.delenv("KLEAR_CPU_ISA")
     with pytest.raises(ValueError, match="vocab_size=11"):
         vocab_parallel_policy_loss(*args, vocab_size=11)
     with pytest.raises(ValueError, match="advantages must be shaped"):

@@ -20,6 +20,7 @@ loss; the gradient returned for a rank's shard is the gradient of that one loss 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,11 +50,16 @@ class PolicyLossOutput(NamedTuple):
 # --------------------------------------------------------------------------- backends
 
 def _extension_ops():
-    """torch.ops.klear when the C++ extension is built, else None."""
+    """torch.ops.klear when the C++ extension is built, else None. Rejects an environment
+    variable KLEAR_CPU_ISA (caps the CPU kernel copy, see csrc/cpu/) that names no copy."""
     try:
         from megatron_klear import _C  # noqa: F401  (registers torch.ops.klear)
     except ImportError:
         return None
+    cap = os.environ.get("KLEAR_CPU_ISA")
+    if cap is not None and cap not in _C.cpu_isa_names:
+        raise ValueError(f"KLEAR_CPU_ISA={cap!r} names no CPU kernel copy: use one of "
+                         f"{', '.join(_C.cpu_isa_names)} or unset it")
     return torch.ops.klear
 
 
