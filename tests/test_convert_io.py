@@ -101,3 +101,23 @@ def _resident_kb() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError("no VmRSS")
+
+
+def test_torch_save_of_a_mapped_tensor_is_a_kernel_copy_that_loads_back(tmp_path, monkeypatch):
+    """HF -> Megatron's output stream: torch.save of a view of a mapped input file copies
+    its data file to file, and torch.load (as megatron's loader does) reads it back."""
+    from safetensors.torch import save_file
+
+    t = torch.randn(64, 512)
+    save_file({"x": t}, str(tmp_path / "in.safetensors"))
+    reader = hf_io.SafetensorsReader(tmp_path)
+    copies = []
+    real = torch_dist_io.copy_range
+    monkeypatch.setattr(torch_dist_io, "copy_range",
+                        lambda *a: copies.append(a[-1]) or real(*a))
+    with open(tmp_path / "rec.pt", "wb") as f, torch_dist_io._no_crc32():
+        stream = torch_dist_io._CopyingStream(f, reader.maps)
+        torch.save({"a": reader.mapped("x"), "b": t[:2].clone()}, stream)
+    assert copies == [t.nbytes]  # the small tensor and the zip records were plain writes
+    back = torch.load(tmp_path / "rec.pt", weights_only=True)
+    assert torch.equal(back["a"], t) and torch.equal(back["b"], t[:2])

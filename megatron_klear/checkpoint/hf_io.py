@@ -31,13 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 __all__ = ["ConversionError", "SafetensorsReader", "ShardPlan", "ShardWriter", "plan_shards",
            "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir",
            "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype", "FileMaps", "element_runs",
-           "byte_slices"]
+           "byte_slices", "copy_range"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 DTYPE_CODES: dict[str, torch.dtype] = {
@@ -173,6 +174,11 @@ class SafetensorsReader:
         e = self._entries[name]
         return self._maps.view(e.file, e.offset, e.dtype, e.shape)
 
+    @property
+    def maps(self) -> FileMaps:
+        """The file maps behind :meth:`mapped` (for writers that copy file to file)."""
+        return self._maps
+
     def release(self) -> None:
         """Drop the pages of the :meth:`mapped` tensors from this process's memory (they
         stay in the page cache; a later access reads them in again)."""
@@ -199,10 +205,13 @@ class FileMaps:
                 self._spans.append((ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m), fd))
             return m
 
-    def locate(self, buf: memoryview) -> tuple[int, int] | None:
-        """(open file descriptor, file offset) of bytes that lie in one of the maps, so a
-        writer can have the kernel copy them file to file; None for other memory."""
-        address = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
+    def locate(self, buf) -> tuple[int, int] | None:
+        """(open file descriptor, file offset) of the bytes of ``buf`` (any contiguous
+        buffer, read-only ones included) when they lie in one of the maps, so a writer can
+        have the kernel copy them file to file; None for other memory."""
+        if not len(buf):
+            return None
+        address = np.frombuffer(buf, dtype=np.uint8).ctypes.data
         for start, length, fd in self._spans:
             if start <= address and address + len(buf) <= start + length:
                 return fd, address - start
@@ -229,6 +238,23 @@ class FileMaps:
             maps = list(self._maps.values())
         for m in maps:
             m.madvise(mmap.MADV_DONTNEED)
+
+
+def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> int:
+    """Kernel file-to-file copy (``copy_file_range``, positional: neither file's offset
+    moves); returns the bytes copied, short where the kernel or file system cannot (e.g.
+    across file systems): the caller writes the rest."""
+    done = 0
+    try:
+        while done < nbytes:
+            n = os.copy_file_range(src, dst, min(nbytes - done, _MAX_IO), src_offset + done,
+                                   dst_offset + done)
+            if n <= 0:
+                break
+            done += n
+    except OSError:
+        pass
+    return done
 
 
 def element_runs(view: torch.Tensor) -> list[tuple[int, int]]:
@@ -367,26 +393,11 @@ class ShardWriter:
         pos = self._base + offset
         for b in bufs:
             where = maps.locate(b) if maps is not None else None
-            done = self._copy_range(*where, len(b), pos) if where is not None else 0
+            done = copy_range(*where, self._fd, pos, len(b)) if where is not None else 0
             while done < len(b):
                 done += os.pwrite(self._fd, b[done:done + _MAX_IO], pos + done)
             pos += len(b)
         self._pending.discard(name)
-
-    def _copy_range(self, src: int, src_offset: int, nbytes: int, pos: int) -> int:
-        """Kernel file-to-file copy; returns the bytes copied (short where the kernel or
-        file system cannot, e.g. across file systems: the caller writes the rest)."""
-        done = 0
-        try:
-            while done < nbytes:
-                n = os.copy_file_range(src, self._fd, min(nbytes - done, _MAX_IO),
-                                       src_offset + done, pos + done)
-                if n <= 0:
-                    break
-                done += n
-        except OSError:
-            pass
-        return done
 
     def close(self) -> None:
         """fsync and close; raise if a planned tensor was never written."""

@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
                                                                TorchDistSaveShardedStrategy)
 
 from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge
-from megatron_klear.checkpoint.hf_io import FileMaps
+from megatron_klear.checkpoint.hf_io import FileMaps, copy_range
 from megatron_klear.models import qwen3
 
 __all__ = ["Chunk", "ParamSlot", "meta_model", "param_slots", "StreamingSaveStrategy",
@@ -235,15 +236,19 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
     Each chunk's main replica goes to one rank (:func:`balance`), so ``torchrun`` with N
     ranks splits the writing N ways; every rank writes ``threads`` files concurrently.
-    ``release`` drops the memory of written tensors that are views of a mapped file.
+    ``release`` drops the memory of written tensors that are views of a mapped file;
+    bytes of ``maps``' files are copied into the checkpoint files by the kernel
+    (:class:`_CopyingStream`).
     """
 
     def __init__(self, slots: list[ParamSlot],
                  build: Callable[[ParamSlot], list[torch.Tensor]], threads: int = 1,
-                 release: Callable[[], None] = lambda: None) -> None:
+                 release: Callable[[], None] = lambda: None,
+                 maps: FileMaps | None = None) -> None:
         super().__init__("torch_dist", 1, thread_count=threads)
         self._slots = slots
         self._source = _ChunkSource(slots, build, release)
+        self._maps = maps
 
     def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:  # noqa: D102
         import torch.distributed as dist
@@ -266,8 +271,56 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=True,
                                       sync_files=True, thread_count=self.thread_count,
                                       per_thread_copy_ahead=0)
+        if self._maps is not None:
+            writer.fs = _CopyingFileSystem(self._maps)
         with _no_crc32(), platform.host_only_section():
             dcp.save(pyt_state_dict, storage_writer=writer, planner=_save_planner(self._source))
+
+
+class _CopyingStream:
+    """A binary output file whose writes of bytes that lie in mapped input files (a
+    tensor's data, as torch.save hands it over) are kernel copies (``copy_file_range``):
+    the bytes never pass through this process. Everything else goes to the file as is."""
+
+    _MIN = 1 << 16  # smaller writes (zip headers, pickles) are not worth a lookup
+
+    def __init__(self, f, maps: FileMaps) -> None:
+        self._f, self._maps = f, maps
+
+    def write(self, data) -> int:  # noqa: D102
+        where = self._maps.locate(data) if len(memoryview(data)) >= self._MIN else None
+        if where is None:
+            return self._f.write(data)
+        nbytes = memoryview(data).nbytes
+        self._f.flush()
+        pos = self._f.tell()
+        done = copy_range(*where, self._f.fileno(), pos, nbytes)
+        self._f.seek(pos + done)
+        if done < nbytes:
+            self._f.write(memoryview(data).cast("B")[done:])
+        return nbytes
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
+class _CopyingFileSystem(FileSystem):
+    """torch's local FileSystem whose output streams are :class:`_CopyingStream` s."""
+
+    def __init__(self, maps: FileMaps) -> None:
+        super().__init__()
+        self._maps = maps
+
+    @contextmanager
+    def create_stream(self, path, mode):  # noqa: D102 (torch's FileSystem API)
+        with super().create_stream(path, mode) as f:
+            yield _CopyingStream(f, self._maps) if "w" in mode else f
 
 
 @contextmanager
