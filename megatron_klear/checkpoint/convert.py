@@ -22,11 +22,14 @@ Every output is written to a temp dir next to the target and renamed at the end.
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,9 +37,10 @@ from tqdm import tqdm
 
 from megatron_klear.checkpoint import hf_bridge, torch_dist_io
 from megatron_klear.checkpoint.hf_io import (ConversionError, SafetensorsReader, ShardPlan,
-                                             ShardWriter, checkpoint_dtype,
-                                             copy_tokenizer_files, export_model_to_hf,
-                                             plan_shards, publish_dir, tmp_dir, write_index)
+                                             ShardWriter, byte_slices, checkpoint_dtype,
+                                             copy_tokenizer_files, element_runs,
+                                             export_model_to_hf, plan_shards, publish_dir,
+                                             tmp_dir, write_index)
 from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint, read_meta,
                                              save_checkpoint)
 from megatron_klear.models import qwen3
@@ -110,11 +114,30 @@ def _check_threads(threads: int) -> None:
         raise ConversionError(f"--threads {threads}: must be >= 1")
 
 
+_F = TypeVar("_F", bound=Callable)
+
+
+def _frozen_gc(fn: _F) -> _F:
+    """Run ``fn`` with the objects that exist at its start (torch's and megatron's import
+    graph, ~4x10^5 objects) moved out of the garbage collector's view (``gc.freeze``): the
+    collections that a conversion's allocations trigger otherwise rescan them all, which
+    cost ~0.3 s of CPU per conversion of Qwen3-0.6B."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        gc.freeze()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+    return wrapper  # type: ignore[return-value]
+
+
 def _progress(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="tensor", disable=_rank() != 0)
 
 
 # ---------------------------------------------------------------- HF -> Megatron
+@_frozen_gc
 def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
                            dtype: str = "auto", overwrite: bool = False,
                            threads: int = 1) -> Path:
@@ -141,7 +164,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     slots = torch_dist_io.param_slots(model, arch)
     with _progress(len(slots), "hf->megatron") as bar:
         def build(slot: torch_dist_io.ParamSlot) -> list[torch.Tensor]:
-            full = [reader(n).to(params_dtype) for n in slot.hf]
+            full = [reader.mapped(n).to(params_dtype) for n in slot.hf]
             bar.update(1)
             return hf_bridge.split_parts_for_rank(slot.rule.kind, full, arch, 1, 0)
 
@@ -149,7 +172,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(tmp, 0, [model], hf_config=hf_config,
-                        sharded_strategy=torch_dist_io.StreamingSaveStrategy(slots, build, threads))
+                        sharded_strategy=torch_dist_io.StreamingSaveStrategy(
+                            slots, build, threads, release=reader.release, maps=reader.maps))
     if _rank() == 0:
         publish_dir(tmp, out_dir)
     dist.barrier()
@@ -157,6 +181,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
 
 
 # ---------------------------------------------------------------- Megatron -> HF
+@_frozen_gc
 def convert_megatron_to_hf(load_dir: str | Path, out_dir: str | Path, *,
                            hf_config_dir: str | Path | None = None, overwrite: bool = False,
                            max_shard_bytes: int = 5 * 2**30, dtype: str = "auto",
@@ -231,16 +256,27 @@ def _hf_sources(slots: list[torch_dist_io.ParamSlot], arch: qwen3.Qwen3Arch
 
 def _write_hf_shard(out: Path, plan: ShardPlan, sources: dict[str, torch_dist_io.ParamSlot],
                     reader: torch_dist_io.TorchDistReader, arch: qwen3.Qwen3Arch) -> None:
-    """Fill one planned safetensors shard, one Megatron parameter at a time."""
+    """Fill one planned safetensors shard, one Megatron parameter at a time: in the saved
+    dtype, the kernel copies the bytes from the checkpoint's files to the shard (q/k/v as
+    blocks of rows per group); another dtype is converted in memory."""
     wanted = {n: d for n, d, _ in plan.tensors}
     slots = list({id(sources[n]): sources[n] for n in wanted}.values())
     shard = ShardWriter(out / plan.file, plan)
     for slot in slots:
-        full = reader.read(slot.key, slot.prefix)
-        for n, t in zip(slot.hf, hf_bridge.merge_shards(slot.rule.kind, [full], arch)):
-            if n in wanted:
-                shard.write(n, t.to(wanted[n]))
-        del full
+        parts = reader.read_parts(slot.key, slot.prefix)
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        meta = torch.empty(shape, dtype=parts[0].dtype, device="meta")
+        for n, view in zip(slot.hf, hf_bridge.merge_views(slot.rule.kind, [meta], arch)):
+            if n not in wanted:
+                continue
+            if wanted[n] == parts[0].dtype:
+                shard.write_bytes(n, byte_slices(parts, element_runs(view)), reader.maps)
+            else:
+                full = parts[0] if len(parts) == 1 else torch.cat(parts)
+                merged = hf_bridge.merge_shards(slot.rule.kind, [full], arch)
+                shard.write(n, merged[slot.hf.index(n)].to(wanted[n]))
+        del parts
+        reader.release()
     shard.close()
 
 

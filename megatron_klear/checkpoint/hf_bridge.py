@@ -39,7 +39,7 @@ from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
 
 __all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
            "export_hf_weights", "hf_state_dict_from_megatron", "split_for_rank",
-           "split_parts_for_rank", "merge_shards",
+           "split_parts_for_rank", "merge_shards", "merge_views",
            "unwrap_model", "param_rules", "check_hf_names", "check_hf_shape", "hf_shape"]
 
 HfTensors = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
@@ -180,8 +180,17 @@ def _cat(shards: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 def merge_shards(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list[torch.Tensor]:
     """The full HF tensors (in ``Rule.hf`` order) from all TP ranks' shards, rank order.
 
-    At TP=1 the results may be views of the shards.
+    At TP=1 the results may be views of the shards (q/k/v are copies).
     """
+    return [v.reshape(-1, v.shape[-1]) if kind == "qkv" else v
+            for v in merge_views(kind, shards, arch)]
+
+
+def merge_views(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list[torch.Tensor]:
+    """:func:`merge_shards` before the final q/k/v reshape: at TP=1 every result is a view
+    of the shard whose row-major elements are the HF tensor's (q/k/v: [groups, rows,
+    hidden], one block of rows per query group). A writer can then copy the bytes straight
+    from the shard's storage, or find them from a meta tensor's strides."""
     if kind == "replicated":
         return [shards[0]]
     if kind == "row":
@@ -191,10 +200,10 @@ def merge_shards(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list
     if kind == "qkv":
         groups, per_group, head_dim = _qkv_groups(arch)
         hidden = shards[0].shape[-1]
-        stacked = _cat(shards).reshape(groups, per_group + 2, head_dim, hidden)
-        return [stacked[:, :per_group].reshape(-1, hidden),
-                stacked[:, per_group].reshape(-1, hidden),
-                stacked[:, per_group + 1].reshape(-1, hidden)]
+        stacked = _cat(shards).reshape(groups, (per_group + 2) * head_dim, hidden)
+        q_rows = per_group * head_dim
+        return [stacked[:, :q_rows], stacked[:, q_rows:q_rows + head_dim],
+                stacked[:, q_rows + head_dim:]]
     if kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]

@@ -4,7 +4,12 @@ The trainer (``train/engine.py``) and the converters (``checkpoint/convert.py``)
 this module; it imports neither of them.
 
 * :class:`SafetensorsReader` reads one tensor at a time with ``os.pread`` into a tensor
-  that owns its memory (no memory map stays open, so reading never pins a shard's pages).
+  that owns its memory, or (:meth:`~SafetensorsReader.mapped`, for the converters) gives a
+  view of the file's pages that :meth:`~SafetensorsReader.release` drops again: writing
+  from the page cache needs no copy in user space and no fresh memory.
+* :class:`FileMaps` is that memory map with page dropping, shared with the ``torch_dist``
+  reader; :func:`element_runs` and :func:`byte_slices` turn a strided view into the byte
+  ranges a writer copies.
 * :func:`plan_shards` + :class:`ShardWriter` write safetensors shards whose headers are
   known before any data exists: each tensor is written at its final offset as soon as it
   is produced, so writing holds one tensor, and shards can be written concurrently.
@@ -17,19 +22,23 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 import shutil
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 __all__ = ["ConversionError", "SafetensorsReader", "ShardPlan", "ShardWriter", "plan_shards",
            "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir",
-           "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype"]
+           "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype", "FileMaps", "element_runs",
+           "byte_slices", "copy_range"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 DTYPE_CODES: dict[str, torch.dtype] = {
@@ -110,8 +119,9 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
 class SafetensorsReader:
     """The tensors of an HF model directory (any shard count), read one tensor at a time.
 
-    Only headers are read up front. Each read returns a fresh tensor that owns its memory,
-    read with ``os.pread`` (thread-safe; the GIL is released during the read).
+    Only headers are read up front. Each call returns a fresh tensor that owns its memory,
+    read with ``os.pread`` (thread-safe; the GIL is released during the read);
+    :meth:`mapped` returns a view of the file instead.
     """
 
     def __init__(self, hf_dir: str | Path) -> None:
@@ -121,6 +131,7 @@ class SafetensorsReader:
             raise ConversionError(f"--hf-dir {hf_dir}: no *.safetensors files (only safetensors "
                                   "checkpoints are supported; re-save with safe_serialization)")
         self._entries: dict[str, _Entry] = {}
+        self._maps = FileMaps()
         for f in self.files:
             header = _read_header(f)
             base = 8 + header.pop("__size__")
@@ -155,6 +166,135 @@ class SafetensorsReader:
         finally:
             os.close(fd)
         return out.view(e.dtype).reshape(e.shape)
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """One tensor by name as a view of its shard's pages (copy-on-write private map:
+        nothing is read until used, the file never changes). Its pages count as this
+        process's memory until :meth:`release`. Thread-safe."""
+        e = self._entries[name]
+        return self._maps.view(e.file, e.offset, e.dtype, e.shape)
+
+    @property
+    def maps(self) -> FileMaps:
+        """The file maps behind :meth:`mapped` (for writers that copy file to file)."""
+        return self._maps
+
+    def release(self) -> None:
+        """Drop the pages of the :meth:`mapped` tensors from this process's memory (they
+        stay in the page cache; a later access reads them in again)."""
+        self._maps.release()
+
+
+class FileMaps:
+    """Files mapped once each (private, copy-on-write, read-only use), handing out tensor
+    views of byte ranges; :meth:`release` drops every mapped page from this process
+    (``madvise(MADV_DONTNEED)``; they stay in the page cache and a view in use reads them
+    in again), so resident memory stays at what is used between releases. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._spans: list[tuple[int, int, int]] = []  # (address, length, fd) of each map
+        self._lock = threading.Lock()
+
+    def _map(self, path: Path) -> mmap.mmap:
+        with self._lock:
+            m = self._maps.get(path)
+            if m is None:
+                fd = os.open(path, os.O_RDONLY)  # kept open for locate()'s kernel copies
+                m = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                self._spans.append((ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m), fd))
+            return m
+
+    def locate(self, buf) -> tuple[int, int] | None:
+        """(open file descriptor, file offset) of the bytes of ``buf`` (any contiguous
+        buffer, read-only ones included) when they lie in one of the maps, so a writer can
+        have the kernel copy them file to file; None for other memory."""
+        if not len(buf):
+            return None
+        address = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        for start, length, fd in self._spans:
+            if start <= address and address + len(buf) <= start + length:
+                return fd, address - start
+        return None
+
+    def view(self, path: Path, offset: int, dtype: torch.dtype,
+             shape: tuple[int, ...]) -> torch.Tensor:
+        """The bytes at ``offset`` of ``path`` as a tensor of ``dtype`` and ``shape``."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        m = self._map(Path(path))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset + numel * itemsize > len(m):
+            raise ConversionError(f"{path}: truncated (a tensor ends at byte "
+                                  f"{offset + numel * itemsize}, the file at {len(m)})")
+        return torch.frombuffer(m, dtype=dtype, count=numel, offset=offset).view(shape)
+
+    def release(self) -> None:
+        """Drop every mapped page from this process (see the class docstring)."""
+        with self._lock:
+            maps = list(self._maps.values())
+        for m in maps:
+            m.madvise(mmap.MADV_DONTNEED)
+
+
+def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> int:
+    """Kernel file-to-file copy (``copy_file_range``, positional: neither file's offset
+    moves); returns the bytes copied, short where the kernel or file system cannot (e.g.
+    across file systems): the caller writes the rest."""
+    done = 0
+    try:
+        while done < nbytes:
+            n = os.copy_file_range(src, dst, min(nbytes - done, _MAX_IO), src_offset + done,
+                                   dst_offset + done)
+            if n <= 0:
+                break
+            done += n
+    except OSError:
+        pass
+    return done
+
+
+def element_runs(view: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, count) runs of storage elements that ``view`` covers, in its row-major
+    order: one run for a contiguous view, one per leading index for e.g. a block of rows
+    per q/k/v group. Works on meta tensors (strides and offsets only)."""
+    shape, stride = list(view.shape), list(view.stride())
+    inner = 1  # elements per run: the longest contiguous suffix of dims
+    while shape and (shape[-1] == 1 or stride[-1] == inner):
+        inner *= shape.pop()
+        stride.pop()
+    starts = [view.storage_offset()]
+    for size, step in zip(shape, stride):
+        starts = [s + i * step for s in starts for i in range(size)]
+    runs: list[tuple[int, int]] = []
+    for s in starts:
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + inner)
+        else:
+            runs.append((s, inner))
+    return runs if inner else []
+
+
+def byte_slices(parts: list[torch.Tensor], runs: list[tuple[int, int]]) -> list[memoryview]:
+    """The bytes of element ``runs`` of the concatenation of contiguous ``parts`` (one
+    dtype), as memoryviews of the parts' memory: nothing is copied."""
+    bufs = [_bytes_of(p) for p in parts]
+    itemsize = parts[0].element_size()
+    ends, end = [], 0
+    for b in bufs:
+        end += len(b)
+        ends.append(end)
+    out = []
+    for start, count in runs:
+        lo, hi = start * itemsize, (start + count) * itemsize
+        for k, b in enumerate(bufs):
+            base = ends[k] - len(b)
+            if lo < ends[k] and hi > base:
+                out.append(b[max(lo, base) - base:min(hi, ends[k]) - base])
+    return out
 
 
 def checkpoint_dtype(hf_config: dict, reader: SafetensorsReader) -> torch.dtype:
@@ -238,11 +378,25 @@ class ShardWriter:
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"{name}: planned {dtype} {shape}, got {tensor.dtype} "
                              f"{tuple(tensor.shape)}")
-        tensor = tensor.contiguous()
-        data = _bytes_of(tensor)
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self._fd, data[done:done + _MAX_IO], self._base + offset + done)
+        data = tensor.contiguous()  # held while its bytes are written (a view holds nothing)
+        self.write_bytes(name, [_bytes_of(data)])
+
+    def write_bytes(self, name: str, bufs: list[memoryview],
+                    maps: FileMaps | None = None) -> None:
+        """Write the concatenation of ``bufs`` as tensor ``name`` (its planned byte size).
+        Bytes that are views of ``maps``' files are copied file to file by the kernel
+        (``copy_file_range``: no page of them enters this process)."""
+        offset, dtype, shape = self._where[name]
+        if sum(len(b) for b in bufs) != _nbytes(dtype, shape):
+            raise ValueError(f"{name}: planned {_nbytes(dtype, shape)} bytes, got "
+                             f"{sum(len(b) for b in bufs)}")
+        pos = self._base + offset
+        for b in bufs:
+            where = maps.locate(b) if maps is not None else None
+            done = copy_range(*where, self._fd, pos, len(b)) if where is not None else 0
+            while done < len(b):
+                done += os.pwrite(self._fd, b[done:done + _MAX_IO], pos + done)
+            pos += len(b)
         self._pending.discard(name)
 
     def close(self) -> None:

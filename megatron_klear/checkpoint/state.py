@@ -195,7 +195,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
     renames, then updates the ``latest`` marker; keeps the newest ``keep_last`` checkpoints
     when given. The previous checkpoints stay intact if this save dies midway.
     ``sharded_strategy`` replaces megatron's default ``torch_dist`` writer (the converters
-    pass one that produces the tensors of a meta-device model while writing).
+    pass one that produces the tensors of a meta-device model while writing; it writes in
+    this process, so megatron's writer queue and its manager process are not started).
     """
     from megatron.core import dist_checkpointing
 
@@ -217,7 +218,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
         state["opt_param_scheduler"] = scheduler.state_dict()
     state["extra"] = dict(extra or {})
     contents += [k for k in ("optimizer", "opt_param_scheduler") if k in state]
-    _orphan_safe_writer_queue()
+    if sharded_strategy is None:
+        _orphan_safe_writer_queue()
     dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")

@@ -11,25 +11,36 @@ stays the one table in ``hf_bridge``.
   writer thread in memory). Work is split over ranks by assigning each chunk's main
   replica to one rank (balanced by bytes); each rank writes its own files, with
   ``threads`` files written concurrently per rank.
+  torch.save records are written without their CRC32 (torch's own option, which
+  ``torch.load`` accepts): computing it was a full extra pass over the bytes.
 * Reading: :class:`TorchDistReader` reads the full (TP-merged) tensor of one checkpoint
-  key and layer from a checkpoint saved at any TP/PP layout.
+  key and layer from a checkpoint saved at any TP/PP layout;
+  :meth:`~TorchDistReader.read_parts` gives it as views of the files' pages where the
+  saved chunks cover whole rows (the converter's own TP1 layout, column-parallel TP
+  splits), so Megatron -> HF copies bytes from the page cache without loading them.
 """
 
 from __future__ import annotations
 
+import collections
 import io
 import math
 import os
+import pickle
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
                                                                TorchDistSaveShardedStrategy)
 
+from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge
+from megatron_klear.checkpoint.hf_io import FileMaps, copy_range
 from megatron_klear.models import qwen3
 
 __all__ = ["Chunk", "ParamSlot", "meta_model", "param_slots", "StreamingSaveStrategy",
@@ -129,14 +140,18 @@ class _ChunkSource:
     torch's FileSystemWriter keeps a reference to every tensor it wrote until its file is
     complete; the serial loader asks for a thread's next tensor only after writing the
     previous one, so :meth:`chunk` releases that thread's previous tensor's memory (the
-    writer is built with ``per_thread_copy_ahead=0`` so that it always loads serially).
+    writer is built with ``per_thread_copy_ahead=0`` so that it always loads serially):
+    an owned tensor's storage is freed, and ``release()`` drops the mapped input files'
+    pages from the process (those of a view, or of the source of a converted copy).
     Thread-safe.
     """
 
     def __init__(self, slots: list[ParamSlot],
-                 build: Callable[[ParamSlot], list[torch.Tensor]]) -> None:
+                 build: Callable[[ParamSlot], list[torch.Tensor]],
+                 release: Callable[[], None] = lambda: None) -> None:
         self._where = {(c.key, c.global_offset): (s, c) for s in slots for c in s.chunks}
         self._build = build
+        self._release = release
         self._lock = threading.Lock()
         self._kept: dict[str, tuple[list[torch.Tensor], int]] = {}
         self._building: dict[str, threading.Event] = {}
@@ -149,7 +164,9 @@ class _ChunkSource:
         """The chunk's tensor, owning exactly its storage (what the writer saves as is)."""
         previous = getattr(self._last, "tensor", None)
         if previous is not None:  # written by now: give its memory back
-            previous.untyped_storage().resize_(0)
+            if previous.untyped_storage().resizable():
+                previous.untyped_storage().resize_(0)
+            self._release()  # (also the pages a converted copy was read from)
         slot, c = self._where[(key, offset)]
         out = self._cut(self._parts(slot), slot, c)
         self._last.tensor = out
@@ -219,13 +236,19 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
     Each chunk's main replica goes to one rank (:func:`balance`), so ``torchrun`` with N
     ranks splits the writing N ways; every rank writes ``threads`` files concurrently.
+    ``release`` drops the memory of written tensors that are views of a mapped file;
+    bytes of ``maps``' files are copied into the checkpoint files by the kernel
+    (:class:`_CopyingStream`).
     """
 
     def __init__(self, slots: list[ParamSlot],
-                 build: Callable[[ParamSlot], list[torch.Tensor]], threads: int = 1) -> None:
+                 build: Callable[[ParamSlot], list[torch.Tensor]], threads: int = 1,
+                 release: Callable[[], None] = lambda: None,
+                 maps: FileMaps | None = None) -> None:
         super().__init__("torch_dist", 1, thread_count=threads)
         self._slots = slots
-        self._source = _ChunkSource(slots, build)
+        self._source = _ChunkSource(slots, build, release)
+        self._maps = maps
 
     def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:  # noqa: D102
         import torch.distributed as dist
@@ -248,7 +271,70 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=True,
                                       sync_files=True, thread_count=self.thread_count,
                                       per_thread_copy_ahead=0)
-        dcp.save(pyt_state_dict, storage_writer=writer, planner=_save_planner(self._source))
+        if self._maps is not None:
+            writer.fs = _CopyingFileSystem(self._maps)
+        with _no_crc32(), platform.host_only_section():
+            dcp.save(pyt_state_dict, storage_writer=writer, planner=_save_planner(self._source))
+
+
+class _CopyingStream:
+    """A binary output file whose writes of bytes that lie in mapped input files (a
+    tensor's data, as torch.save hands it over) are kernel copies (``copy_file_range``):
+    the bytes never pass through this process. Everything else goes to the file as is."""
+
+    _MIN = 1 << 16  # smaller writes (zip headers, pickles) are not worth a lookup
+
+    def __init__(self, f, maps: FileMaps) -> None:
+        self._f, self._maps = f, maps
+
+    def write(self, data) -> int:  # noqa: D102
+        where = self._maps.locate(data) if len(memoryview(data)) >= self._MIN else None
+        if where is None:
+            return self._f.write(data)
+        nbytes = memoryview(data).nbytes
+        self._f.flush()
+        pos = self._f.tell()
+        done = copy_range(*where, self._f.fileno(), pos, nbytes)
+        self._f.seek(pos + done)
+        if done < nbytes:
+            self._f.write(memoryview(data).cast("B")[done:])
+        return nbytes
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
+class _CopyingFileSystem(FileSystem):
+    """torch's local FileSystem whose output streams are :class:`_CopyingStream` s."""
+
+    def __init__(self, maps: FileMaps) -> None:
+        super().__init__()
+        self._maps = maps
+
+    @contextmanager
+    def create_stream(self, path, mode):  # noqa: D102 (torch's FileSystem API)
+        with super().create_stream(path, mode) as f:
+            yield _CopyingStream(f, self._maps) if "w" in mode else f
+
+
+@contextmanager
+def _no_crc32():
+    """torch.save without per-record CRC32 (torch.serialization's option; loads are
+    unaffected): the checksum pass cost as much CPU as writing the bytes."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    before = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        yield
+    finally:
+        set_crc32_options(before)
 
 
 # ---------------------------------------------------------------- reading
@@ -293,6 +379,7 @@ class TorchDistReader:
         self._reader = FileSystemReader(str(checkpoint_dir))
         self.metadata = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        self._maps = FileMaps()
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         """The saved global shape of ``key`` (e.g. the padded vocabulary of the save)."""
@@ -302,41 +389,126 @@ class TorchDistReader:
         """The saved dtype of ``key``."""
         return self.metadata.state_dict_metadata[key].properties.dtype
 
-    def read(self, key: str, prefix: tuple[int, ...] = ()) -> torch.Tensor:
-        """``global[prefix]``: the whole tensor below the leading offsets ``prefix``,
-        assembled from however many chunks the save wrote. Thread-safe."""
+    def _items(self, key: str, prefix: tuple[int, ...]):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
         md = self.metadata.state_dict_metadata[key]
-        size = tuple(md.size)
-        own = size[len(prefix):]
+        own = tuple(md.size)[len(prefix):]
         chunk = ChunkStorageMetadata(offsets=torch.Size(prefix + (0,) * len(own)),
                                      sizes=torch.Size((1,) * len(prefix) + own))
-        items = create_read_items_for_chunk_list(key, md, [chunk])
-        if len(items) == 1 and tuple(items[0].lengths) == tuple(chunk.sizes):
-            whole = self._load_item(items[0])  # saved as exactly this chunk: no second copy
-            if whole is not None and tuple(whole.shape) == tuple(chunk.sizes):
-                return whole.reshape(own)
+        return md, own, chunk, create_read_items_for_chunk_list(key, md, [chunk])
+
+    def read(self, key: str, prefix: tuple[int, ...] = ()) -> torch.Tensor:
+        """``global[prefix]``: the whole tensor below the leading offsets ``prefix``,
+        assembled from however many chunks the save wrote, in memory of its own.
+        Thread-safe."""
+        from torch.distributed.checkpoint.planner import LoadPlan
+
+        md, own, chunk, items = self._items(key, prefix)
         target = torch.empty(chunk.sizes, dtype=md.properties.dtype)
         self._reader.read_data(LoadPlan(items), _load_planner(target)).wait()
         return target.reshape(own)
 
-    def _load_item(self, item) -> torch.Tensor | None:
-        """The saved tensor of one storage item, read straight from its file window;
-        None when the item was written through a storage transform (e.g. compression)."""
+    def read_parts(self, key: str, prefix: tuple[int, ...] = ()) -> list[torch.Tensor]:
+        """``global[prefix]`` as tensors whose concatenation on dim 0 is it: views of the
+        saved records' bytes in the files (see :meth:`release`) when the saved chunks
+        split only that dim, else one tensor from :meth:`read`. Thread-safe."""
+        md, own, _, items = self._items(key, prefix)
+        parts = self._mapped_parts(items, len(prefix), own, md.properties.dtype)
+        return parts if parts is not None else [self.read(key, prefix)]
+
+    def release(self) -> None:
+        """Drop the pages of the :meth:`read_parts` views from this process's memory (they
+        stay in the page cache)."""
+        self._maps.release()
+
+    @property
+    def maps(self) -> FileMaps:
+        """The file maps behind :meth:`read_parts` (a writer copies their bytes file to
+        file, see :meth:`~megatron_klear.checkpoint.hf_io.ShardWriter.write_bytes`)."""
+        return self._maps
+
+    def _mapped_parts(self, items, axis: int, own: tuple[int, ...],
+                      dtype: torch.dtype) -> list[torch.Tensor] | None:
+        if not own:
+            return None
+        rows = []
+        for item in items:  # each read must be a whole saved chunk of whole rows
+            if any(item.storage_offsets) or tuple(item.lengths)[axis + 1:] != own[1:] or any(
+                    o for d, o in enumerate(item.dest_offsets) if d != axis):
+                return None
+            rows.append((item.dest_offsets[axis], item))
+        parts, row = [], 0
+        for start, item in sorted(rows, key=lambda r: r[0]):
+            view = self._record_view(item, dtype) if start == row else None
+            if view is None or tuple(view.shape) != tuple(item.lengths):
+                return None
+            parts.append(view.reshape(tuple(item.lengths)[axis:]))
+            row += item.lengths[axis]
+        return parts if row == own[0] else None
+
+    def _record_view(self, item, dtype: torch.dtype) -> torch.Tensor | None:
+        """The tensor torch.save wrote for one storage item, as a view of its file; None
+        when it is not one contiguous tensor of ``dtype`` stored as is (e.g. a storage
+        transform such as compression)."""
         info = self._reader.storage_data[item.storage_index]
         if getattr(info, "transform_descriptors", None):
             return None
-        fd = os.open(self._reader.fs.concat_path(self._reader.path, info.relative_path),
-                     os.O_RDONLY)
+        path = self._reader.fs.concat_path(self._reader.path, info.relative_path)
+        layout = _record_layout(path, info.offset, info.length)
+        if layout is None or layout[1] != dtype:
+            return None
+        data_offset, _, shape = layout
+        return self._maps.view(Path(path), info.offset + data_offset, dtype, shape)
+
+
+def _record_layout(path, offset: int, length: int
+                   ) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+    """Where the data of the tensor torch.save wrote at ``[offset, offset + length)`` of
+    ``path`` starts (relative to ``offset``), its dtype and shape; None unless it is one
+    contiguous tensor that starts its storage and fills it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        archive = torch._C.PyTorchFileReader(
+            io.BufferedReader(_FileWindow(fd, offset, length), buffer_size=1 << 16))
         try:
-            return torch.load(io.BufferedReader(_FileWindow(fd, info.offset, info.length),
-                                                buffer_size=1 << 20),
-                              map_location="cpu", weights_only=True)
-        finally:
-            os.close(fd)
+            storage, start, shape, stride = _TensorPickle(
+                io.BytesIO(archive.get_record("data.pkl"))).load()
+            _, storage_type, key, _, numel = storage
+            dtype = storage_type.dtype
+            data = archive.get_record_offset(f"data/{key}")
+        except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError,
+                EOFError):
+            return None
+    finally:
+        os.close(fd)
+    contiguous, n = [], 1
+    for d in reversed(shape):
+        contiguous.insert(0, n)
+        n *= d
+    if start != 0 or n != numel or (n > 1 and list(stride) != contiguous):
+        return None
+    return data, dtype, tuple(shape)
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Unpickles torch.save's ``data.pkl`` of one plain tensor into (storage id, storage
+    offset, shape, stride) without touching its data; anything else is refused (the
+    caller then loads the record with torch.load)."""
+
+    def find_class(self, module: str, name: str):  # noqa: D102
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, start, shape, stride, *_: (storage, start, tuple(shape),
+                                                              tuple(stride))
+        if module == "torch" and name.endswith("Storage"):
+            return getattr(torch, name)
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):  # noqa: D102
+        return pid
 
 
 class _FileWindow(io.RawIOBase):
