@@ -38,8 +38,9 @@ import torch
 from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
 
 __all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
-           "export_hf_weights", "export_entries", "export_views", "export_gathers", "hf_state_dict_from_megatron",
-           "split_for_rank", "split_parts_for_rank", "merge_shards", "merge_views",
+           "export_hf_weights", "export_entries", "export_views", "export_gathers",
+           "hf_state_dict_from_megatron", "split_for_rank", "split_parts_for_rank",
+           "merge_shards", "merge_views",
            "unwrap_model", "param_rules", "check_hf_names", "check_hf_shape", "hf_shape"]
 
 HfTensors = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
@@ -386,9 +387,9 @@ def _gather_tp(shard: torch.Tensor, tp: int, group) -> torch.Tensor:
 
     if tp == 1:
         return shard
-    out = shard.new_empty((tp, *shard.shape))
-    dist.all_gather(list(out.unbind(0)), shard.contiguous(), group=group)
-    return out.view(tp * shard.shape[0], *shard.shape[1:])
+    out = shard.new_empty((tp * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    return out
 
 
 def export_entries(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
@@ -413,8 +414,8 @@ def export_gathers() -> bool:
 def export_views(entries: list[tuple[torch.nn.Parameter, Rule, list[str]]], arch: Qwen3Arch
                  ) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """(HF name, view, HF shape) for every tensor of :func:`export_entries`, nothing copied
-    beyond the TP gathers (see :func:`merge_views`; at TP=1 every view is of a parameter,
-    valid until the next optimizer step).
+    beyond the TP gathers (see :func:`merge_views`; without gathers every view aliases its
+    parameter, so it shows the parameter's current values).
 
     Collective over the tensor-parallel group (and, for experts, expert-TP and EP): every rank
     of the stage must iterate it to the end.
