@@ -3,8 +3,9 @@
 Measured side by side in one run, in (sync, raw) pairs taken back to back:
   * WeightSync.sync (export from Megatron -> buckets -> HTTP request + gloo broadcast ->
     server loads the tensors), GB/s over the bytes sent, for both load formats;
-  * the transport limit: a raw gloo broadcast of ONE flat buffer of the same size between the
-    trainer and a receiver process (same group construction, same loopback TCP).
+  * the transport limit: raw gloo broadcasts of the same bucket sizes (the sync's own bucket
+    plan: same bytes, same number of broadcasts) between the trainer and a receiver process
+    (same group construction, same loopback TCP).
 Prints the ratios (target >= 0.90 for the default format). ``--model moe``: a Qwen3-MoE of
 the same bytes (bench_convert.MOE_SAME_BYTES: 16 experts x 192 per layer). Usage:
   python benchmarks/bench_weight_sync.py [--bucket-mb 512] [--repeats 3] [--num-layers 28]
@@ -57,36 +58,41 @@ def _write_model_dir(out: Path, num_layers: int, model: str = "dense") -> Path:
     return out
 
 
-def _raw_receiver(port: int, nbytes: int, count: int) -> None:
+def _raw_receiver(port: int, sizes: list[int], count: int) -> None:
     from megatron_klear.rollout.update_group import open_update_group
 
     group = open_update_group("127.0.0.1", port, 1, 2, "raw", "gloo", 600)
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf = torch.empty(max(sizes), dtype=torch.uint8)
     for _ in range(count):
-        group.broadcast(buf)
+        for n in sizes:
+            group.broadcast(buf[:n])
     group.close()
 
 
 class RawBroadcast:
-    """The transport limit: gloo broadcast of one flat buffer to a receiver process."""
+    """The transport limit: gloo broadcasts of the sync's bucket sizes (same bytes, same
+    number of broadcasts, back to back from one reused buffer) to a receiver process."""
 
-    def __init__(self, nbytes: int, count: int) -> None:
+    def __init__(self, sizes: list[int], count: int) -> None:
         from megatron_klear.rollout.launcher import free_port
         from megatron_klear.rollout.update_group import open_update_group
 
         port = free_port()
+        self.sizes = sizes
         self.proc = mp.get_context("spawn").Process(target=_raw_receiver,
-                                                    args=(port, nbytes, count + 1))
+                                                    args=(port, sizes, count + 1))
         self.proc.start()
         self.group = open_update_group("127.0.0.1", port, 0, 2, "raw", "gloo", 600)
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
-        self.group.broadcast(self.buf)  # warm-up: both ends' pages are touched
+        self.buf = torch.ones(max(sizes), dtype=torch.uint8)
+        self.gbps()  # warm-up: both ends' pages are touched
 
-    def gbps(self) -> float:
-        """One timed broadcast, in GB/s."""
-        start = time.perf_counter()
-        self.group.broadcast(self.buf)
-        return self.buf.numel() / (time.perf_counter() - start) / 1e9
+    def gbps(self) -> tuple[float, float]:
+        """One timed round of broadcasts: (GB/s, this process's CPU seconds)."""
+        start, cpu = time.perf_counter(), time.process_time()
+        for n in self.sizes:
+            self.group.broadcast(self.buf[:n])
+        seconds = time.perf_counter() - start
+        return sum(self.sizes) / seconds / 1e9, time.process_time() - cpu
 
     def close(self) -> None:  # noqa: D102
         self.group.close()
@@ -94,8 +100,8 @@ class RawBroadcast:
 
 
 def _hf_bytes(model_dir: Path) -> int:
-    """Bytes of the model's HF tensors in bf16, from config.json alone (the raw buffer size;
-    a sync sends within 0.01% of it: megatron keeps the RMSNorm weights in fp32)."""
+    """Bytes of the model's HF tensors in bf16, from config.json alone (a sync sends within
+    0.01% of it: megatron keeps the RMSNorm weights in fp32)."""
     from megatron_klear.checkpoint.hf_bridge import hf_shape, hf_tensor_names
     from megatron_klear.models import qwen3
 
@@ -103,19 +109,17 @@ def _hf_bytes(model_dir: Path) -> int:
     return sum(torch.Size(hf_shape(n, arch)).numel() * 2 for n in hf_tensor_names(arch))
 
 
-def export_seconds(model, arch) -> float:
-    """Seconds to iterate export_hf_weights once (the Megatron -> HF copy, no transfer)."""
-    from megatron_klear.checkpoint.hf_bridge import export_hf_weights
-
-    start = time.perf_counter()
-    for _ in export_hf_weights([model], arch):
-        pass
-    return time.perf_counter() - start
+def _timed_sync(sync, version: str) -> tuple[float, float]:
+    """One sync: (GB/s, this process's CPU seconds)."""
+    cpu = time.process_time()
+    gbps = sync.sync(version)["weight_sync/gbps"]
+    return gbps, time.process_time() - cpu
 
 
 def run(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
-    """Per load format: (sync GB/s, raw GB/s) pairs measured back to back (after a warm-up
-    sync), so load from other jobs on the machine hits both sides of each ratio alike."""
+    """Per load format: ((sync GB/s, CPU s), (raw GB/s, CPU s)) pairs measured back to back
+    (after a warm-up sync), so load from other jobs hits both sides of each ratio alike. The
+    raw side broadcasts exactly the sync's bucket sizes (its plan, after the warm-up)."""
     from megatron_klear.models import qwen3
     from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
     from megatron_klear.rollout.weight_sync import WeightSync
@@ -127,9 +131,7 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
     config = qwen3.transformer_config(arch, params_dtype=torch.bfloat16,
                                       perform_initialization=False)
     model = qwen3.build_gpt_model(arch, config)
-    runs: dict[str, list] = {"export only": [export_seconds(model, arch)
-                                             for _ in range(args.repeats)]}
-    raw = RawBroadcast(_hf_bytes(model_dir), len(FORMATS) * args.repeats)
+    runs: dict[str, list] = {}
     with launch_embedded_servers(model_dir, 1, dtype="bfloat16", load_format="dummy",
                                  startup_timeout_s=600) as servers:
         for fmt, load_format in FORMATS.items():
@@ -137,10 +139,11 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
                               load_format=load_format)
             sync.connect()
             sync.sync("warmup")
-            runs[fmt] = [(sync.sync(f"v{i}")["weight_sync/gbps"], raw.gbps())
-                         for i in range(args.repeats)]
+            raw = RawBroadcast(sync.bucket_sizes, args.repeats)
+            runs[fmt] = [(_timed_sync(sync, f"v{i}"), raw.gbps()) for i in range(args.repeats)]
+            runs[fmt + " buckets"] = sync.bucket_sizes
             sync.close()
-    raw.close()
+            raw.close()
     return runs
 
 
@@ -154,14 +157,20 @@ def main() -> None:
     shape = "Qwen3-MoE (16 experts x 192 per layer) of Qwen3-0.6B's bytes" \
         if args.model == "moe" else "Qwen3-0.6B shape"
     print(f"model: {shape}, {args.num_layers} layers, bf16, {nbytes / 1e9:.3f} GB; "
-          f"bucket {args.bucket_mb} MiB; {args.repeats} (sync, raw) pairs after a warm-up")
-    print(f"export_hf_weights alone (no transfer): {min(runs.pop('export only')):.3f} s (best)")
-    for fmt, pairs in runs.items():
-        ratios = sorted(s / r for s, r in pairs)
-        best_sync, best_raw = max(s for s, _ in pairs), max(r for _, r in pairs)
-        print(f"{fmt:>16}: sync {best_sync:.3f} GB/s, raw gloo broadcast {best_raw:.3f} GB/s "
-              f"(best of each); ratio per pair: median {ratios[len(ratios) // 2]:.2f}, "
-              f"best {ratios[-1]:.2f}; best/best {best_sync / best_raw:.2f} (target >= 0.90)")
+          f"bucket {args.bucket_mb} MiB; {args.repeats} (sync, raw) pairs after a warm-up; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for fmt in FORMATS:
+        pairs = runs[fmt]
+        ratios = sorted(s / r for (s, _), (r, _) in pairs)
+        best_sync, best_raw = max(s for (s, _), _ in pairs), max(r for _, (r, _) in pairs)
+        cpu_sync = sorted(c for (_, c), _ in pairs)[len(pairs) // 2]
+        cpu_raw = sorted(c for _, (_, c) in pairs)[len(pairs) // 2]
+        sizes = ", ".join(f"{b / 2**20:.0f}" for b in runs[fmt + " buckets"])
+        print(f"{fmt:>16}: buckets [{sizes}] MiB; sync {best_sync:.3f} GB/s, raw gloo "
+              f"broadcast {best_raw:.3f} GB/s (best of each); ratio per pair: median "
+              f"{ratios[len(ratios) // 2]:.2f}, best {ratios[-1]:.2f}; best/best "
+              f"{best_sync / best_raw:.2f} (target >= 0.90); trainer CPU s (median) sync "
+              f"{cpu_sync:.3f}, raw {cpu_raw:.3f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
 from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
 from megatron_klear.rollout.update_group import open_update_group
-from megatron_klear.rollout.weight_sync import (aligned_order, flatten_bucket, iter_buckets,
+from megatron_klear.rollout.weight_sync import (aligned_order, iter_buckets, plan_bucket,
                                                 rank_layout)
 from tests.dist import run_distributed
 from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
@@ -122,11 +122,17 @@ def test_iter_buckets_respects_size_and_order():
     named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([3, 5, 2, 9, 1])]
     buckets = list(iter_buckets(named, bucket_bytes=32))
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
-    pair = [("a", torch.tensor([1.0])), ("b", torch.tensor([2.0], dtype=torch.bfloat16))]
-    flat = flatten_bucket(pair, out=torch.empty(6, dtype=torch.uint8))
-    assert flat.dtype == torch.uint8 and flat.numel() == 4 + 2
-    assert flat[:4].view(torch.float32).item() == 1.0
-    assert flat[4:].view(torch.bfloat16).item() == 2.0
+    buckets = list(iter_buckets(named, bucket_bytes=32, first_bucket_bytes=12))
+    assert [[n for n, _ in b] for b in buckets] == [["t0"], ["t1", "t2"], ["t3"], ["t4"]]
+    # the plan: bf16 "a" first in export order, but fp32 "b" first on the wire (aligned)
+    plan = plan_bucket([("a", (3,), torch.bfloat16), ("b", (1, 2), torch.float32)], True, "g")
+    assert [(t.name, t.offset) for t in plan.specs] == [("a", 8), ("b", 0)]
+    assert plan.nbytes == 6 + 8 and plan.payload["names"] == ["b", "a"]
+    assert plan.payload["shapes"] == [[1, 2], [3]]
+    assert plan.payload["dtypes"] == ["float32", "bfloat16"]
+    per_tensor = plan_bucket([("a", (3,), torch.bfloat16), ("b", (1, 2), torch.float32)],
+                             False, "g")
+    assert per_tensor.payload["names"] == ["a", "b"] and per_tensor.payload["load_format"] is None
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
@@ -262,3 +268,38 @@ def test_sync_failure_resumes_servers_and_restarted_server_rejoins(model_dir, tm
     assert got["members_after_restart"] == servers.urls
     assert got["probe_after_restart"] < SYNCED_TOL  # both servers hold the trainer's weights
     assert got["versions"] == ["v3", "v3"]
+
+
+class _FilledBroadcast:
+    """Stands in for the gloo group on the receiving side: ``broadcast`` fills the tensor in
+    place with the sender's bytes, as UpdateGroup.broadcast does for a rank > 0."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        tensor.copy_(self.data)
+
+
+def test_embedded_server_receives_flat_buckets_without_copies(model_dir):
+    """Parameters become views of the received bucket; the next bucket goes into the other
+    pooled buffer (never the one backing the live parameters); the third reuses the first."""
+    from megatron_klear.rollout.generator import Generator
+
+    gen = Generator(model_dir)
+    names = ["model.norm.weight", "model.layers.0.self_attn.k_proj.weight"]
+    specs = [(n, torch.float32, tuple(gen.params[n].shape)) for n in names]
+    storage = []
+    for value in (1.0, 2.0, 3.0):
+        sent = torch.cat([torch.full(s, value).flatten() for _, _, s in specs])
+        gen.receive_weights(_FilledBroadcast(sent.view(torch.uint8)), specs, flattened=True)
+        assert all(torch.all(gen.params[n] == value) for n in names)
+        ptrs = {gen.params[n].untyped_storage().data_ptr() for n in names}
+        assert len(ptrs) == 1  # both are views of one received buffer: nothing copied
+        storage.append(ptrs.pop())
+        if value == 2.0:  # the first buffer was not received into while it backed params
+            old = gen._recv_pool[names[0]][0]
+            assert old.untyped_storage().data_ptr() == storage[0]
+            assert torch.all(old[:4].view(torch.float32) == 1.0)
+    assert storage[0] != storage[1] and storage[2] == storage[0]
+    assert len(gen._recv_pool[names[0]]) == 2

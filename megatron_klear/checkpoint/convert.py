@@ -266,7 +266,7 @@ def _write_hf_shard(out: Path, plan: ShardPlan, sources: dict[str, torch_dist_io
         parts = reader.read_parts(slot.key, slot.prefix)
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         meta = torch.empty(shape, dtype=parts[0].dtype, device="meta")
-        for n, view in zip(slot.hf, hf_bridge.merge_views(slot.rule.kind, [meta], arch)):
+        for n, (view, _) in zip(slot.hf, hf_bridge.merge_views(slot.rule.kind, meta, 1, arch)):
             if n not in wanted:
                 continue
             if wanted[n] == parts[0].dtype:

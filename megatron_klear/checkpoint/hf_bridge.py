@@ -38,8 +38,9 @@ import torch
 from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
 
 __all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
-           "export_hf_weights", "hf_state_dict_from_megatron", "split_for_rank",
-           "split_parts_for_rank", "merge_shards", "merge_views",
+           "export_hf_weights", "export_entries", "export_views", "export_gathers",
+           "hf_state_dict_from_megatron", "split_for_rank", "split_parts_for_rank",
+           "merge_shards", "merge_views",
            "unwrap_model", "param_rules", "check_hf_names", "check_hf_shape", "hf_shape"]
 
 HfTensors = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
@@ -180,33 +181,41 @@ def _cat(shards: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 def merge_shards(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list[torch.Tensor]:
     """The full HF tensors (in ``Rule.hf`` order) from all TP ranks' shards, rank order.
 
-    At TP=1 the results may be views of the shards (q/k/v are copies).
+    At TP=1 the results may be views of the shards.
     """
-    return [v.reshape(-1, v.shape[-1]) if kind == "qkv" else v
-            for v in merge_views(kind, shards, arch)]
+    return [v.reshape(shape) for v, shape in merge_views(kind, _cat(shards), len(shards), arch)]
 
 
-def merge_views(kind: str, shards: list[torch.Tensor], arch: Qwen3Arch) -> list[torch.Tensor]:
-    """:func:`merge_shards` before the final q/k/v reshape: at TP=1 every result is a view
-    of the shard whose row-major elements are the HF tensor's (q/k/v: [groups, rows,
-    hidden], one block of rows per query group). A writer can then copy the bytes straight
-    from the shard's storage, or find them from a meta tensor's strides."""
+def merge_views(kind: str, stacked: torch.Tensor, tp: int, arch: Qwen3Arch
+                ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """(view, HF shape) of each full HF tensor (``Rule.hf`` order), from the TP shards stacked
+    on dim 0 (``stacked``; at TP=1 the parameter itself).
+
+    A view may have another shape than the HF tensor (a de-interleaved q/k/v, a TP-split row
+    weight), but its elements in row-major order are the HF tensor's: copying it into a
+    contiguous buffer viewed with ``view.shape`` writes the HF tensor's bytes with one copy,
+    and ``view.reshape(shape)`` is the HF tensor. No data is copied here.
+    """
     if kind == "replicated":
-        return [shards[0]]
+        rows = stacked.shape[0] // tp  # every rank's copy is the same: the first
+        return [(stacked[:rows], (rows, *stacked.shape[1:]))]
     if kind == "row":
-        return [_cat(shards, dim=1)]
+        out = stacked.shape[0] // tp
+        view = stacked.view(tp, out, -1).permute(1, 0, 2) if tp > 1 else stacked
+        return [(view, (out, stacked.shape[1] * tp))]
     if kind == "vocab":
-        return [_cat(shards)[: arch.vocab_size]]
+        return [(stacked[: arch.vocab_size], (arch.vocab_size, *stacked.shape[1:]))]
     if kind == "qkv":
         groups, per_group, head_dim = _qkv_groups(arch)
-        hidden = shards[0].shape[-1]
-        stacked = _cat(shards).reshape(groups, (per_group + 2) * head_dim, hidden)
-        q_rows = per_group * head_dim
-        return [stacked[:, :q_rows], stacked[:, q_rows:q_rows + head_dim],
-                stacked[:, q_rows + head_dim:]]
+        hidden = stacked.shape[-1]
+        qkv = stacked.view(groups, per_group + 2, head_dim, hidden)
+        return [(qkv[:, :per_group], (groups * per_group * head_dim, hidden)),
+                (qkv[:, per_group], (groups * head_dim, hidden)),
+                (qkv[:, per_group + 1], (groups * head_dim, hidden))]
     if kind == "gate_up":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]
+        halves = stacked.view(tp, 2, stacked.shape[0] // (2 * tp), -1)
+        shape = (stacked.shape[0] // 2, halves.shape[-1])
+        return [(halves[:, 0], shape), (halves[:, 1], shape)]
     raise ValueError(f"unknown rule kind {kind!r}")
 
 
@@ -371,14 +380,53 @@ def hf_shape(name: str, arch: Qwen3Arch) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------- Megatron -> HF
-def _gather_tp(shard: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
+def _gather_tp(shard: torch.Tensor, tp: int, group) -> torch.Tensor:
+    """All TP ranks' shards stacked on dim 0, gathered straight into one tensor (the shard
+    itself at TP=1)."""
     import torch.distributed as dist
 
     if tp == 1:
-        return [shard]
-    out = [torch.empty_like(shard) for _ in range(tp)]
-    dist.all_gather(out, shard.contiguous(), group=group)
+        return shard
+    out = shard.new_empty((tp * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
     return out
+
+
+def export_entries(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
+                   ) -> list[tuple[torch.nn.Parameter, Rule, list[str]]]:
+    """(parameter, rule, HF names) of every parameter this stage exports, in export order.
+
+    The walk over the :data:`RULES` table, done once: a caller that exports repeatedly (weight
+    sync) keeps the list while the model lives and passes it to :func:`export_views`.
+    """
+    return [(param, rule, hf) for _, param, rule, hf in param_rules(model_chunks, arch)
+            if not (rule.megatron[0] == "output_layer.weight" and arch.tie_word_embeddings)]
+
+
+def export_gathers() -> bool:
+    """Whether :func:`export_views` all-gathers (TP, expert-TP or EP > 1). When it does not,
+    its views are of the parameters and stay valid while they keep their storage."""
+    return any(size > 1 for size in (_tp()[0], _tp(Rule((), (), "row", expert=True))[0],
+                                     _ep()[0]))
+
+
+@torch.no_grad()
+def export_views(entries: list[tuple[torch.nn.Parameter, Rule, list[str]]], arch: Qwen3Arch
+                 ) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """(HF name, view, HF shape) for every tensor of :func:`export_entries`, nothing copied
+    beyond the TP gathers (see :func:`merge_views`; without gathers every view aliases its
+    parameter, so it shows the parameter's current values).
+
+    Collective over the tensor-parallel group (and, for experts, expert-TP and EP): every rank
+    of the stage must iterate it to the end.
+    """
+    for param, rule, hf in entries:
+        tp, _, group = _tp(rule) if rule.kind != "replicated" else (1, 0, None)
+        views = merge_views(rule.kind, _gather_tp(param.detach(), tp, group), tp, arch)
+        if rule.expert:
+            yield from _gather_experts(hf, [v.reshape(shape) for v, shape in views], arch)
+        else:
+            yield from ((n, v, shape) for n, (v, shape) in zip(hf, views))
 
 
 @torch.no_grad()
@@ -391,37 +439,31 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], arch: Qwen3Arch, *,
     stripped; with tied embeddings ``lm_head.weight`` is not emitted (HF convention).
     Tensors keep the parameters' dtype. With ``copy=True`` they are contiguous tensors that
     share no memory with the model (safe to keep or save); with ``copy=False`` they may be
-    views of the parameters, valid until the next optimizer step (weight sync packs them
-    into its own buffers, so it skips the extra copy).
+    views of the parameters, valid until the next optimizer step.
     """
-    for _, param, rule, hf in param_rules(model_chunks, arch):
-        if rule.megatron[0] == "output_layer.weight" and arch.tie_word_embeddings:
-            continue
-        tp, _, group = _tp(rule)
-        merged = merge_shards(rule.kind, _gather_tp(param.detach(), tp, group), arch)
-        named = zip(hf, merged)
-        if rule.expert:
-            named = _gather_experts(hf, merged, arch)
-        for n, t in named:
-            shared = t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
-            yield n, (t.clone(memory_format=torch.contiguous_format) if copy and shared
-                      else t.contiguous())
+    entries = export_entries(model_chunks, arch)
+    storages = {p.untyped_storage().data_ptr() for p, _, _ in entries}
+    for n, view, shape in export_views(entries, arch):
+        t = view.reshape(shape)
+        shared = t.untyped_storage().data_ptr() in storages
+        yield n, (t.clone(memory_format=torch.contiguous_format) if copy and shared
+                  else t.contiguous())
 
 
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
 
 
 def _gather_experts(hf: list[str], merged: list[torch.Tensor], arch: Qwen3Arch
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    ) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """Every EP rank's copy of this local expert (all-gathered over the EP group), named by
     global expert. Every EP rank walks the same local experts in the same order."""
     ep, rank, group = _ep()
     local = arch.num_experts // ep
-    per_rank = [_gather_tp(m, ep, group) for m in merged]  # [HF tensor][EP rank]
+    per_rank = [_gather_tp(m, ep, group).reshape(ep, *m.shape) for m in merged]  # [HF][EP rank]
     for r in range(ep):
         for n, gathered in zip(hf, per_rank):
             e = int(_EXPERT.search(n).group(1)) + (r - rank) * local
-            yield _EXPERT.sub(f"mlp.experts.{e}.", n), gathered[r]
+            yield _EXPERT.sub(f"mlp.experts.{e}.", n), gathered[r], tuple(gathered.shape[1:])
 
 
 def hf_state_dict_from_megatron(model_chunks: list[torch.nn.Module], arch: Qwen3Arch

@@ -82,7 +82,7 @@ class Generator:
         self.lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(seed)
         self.params = dict(self.model.named_parameters()) | expert_views(self.model)
-        self._recv_buf = torch.empty(0, dtype=torch.uint8)
+        self._recv_pool: dict[str, list[torch.Tensor]] = {}  # flat buckets (_receive_flat)
 
     def _eos_ids(self) -> set[int]:
         eos = self.config.eos_token_id
@@ -220,7 +220,8 @@ class Generator:
 
         Per tensor, a tensor whose name, shape and dtype match a parameter is received
         directly into the parameter's storage (no allocation, no copy). ``flattened``: one
-        uint8 buffer with the tensors' bytes back to back, received into a reused buffer.
+        uint8 buffer with the tensors' bytes back to back, received into a pooled buffer whose
+        views then become the parameters (:meth:`_receive_flat`).
         Name/shape errors are raised only after the whole request was received, so the
         sender is never left hanging in its broadcast.
         """
@@ -257,16 +258,42 @@ class Generator:
 
     def _receive_flat(self, group, specs: list[tuple[str, torch.dtype, tuple]],
                       load: bool) -> None:
+        """Receive one flat bucket; a parameter of the same dtype then becomes a view of the
+        received bytes (no copy), others (another dtype, fused expert views) are copied.
+
+        SGLang copies instead (``FlattenedTensorBucket`` views -> ``model.load_weights``,
+        sglang/srt/weight_sync/tensor_bucket.py); the result, parameters holding the sent
+        values, is the same. Buffers are pooled per bucket: one still backing a parameter is
+        never received into; the server holds two (this sync's and the last one's).
+        """
         sizes = [torch.Size(shape).numel() * dt.itemsize for _, dt, shape in specs]
-        if self._recv_buf.numel() < sum(sizes):  # grow-only: reused pages are not re-faulted
-            self._recv_buf = torch.empty(sum(sizes), dtype=torch.uint8)
-        buf = self._recv_buf[:sum(sizes)]
+        buf = self._free_buffer(specs[0][0], sum(sizes))
         group.broadcast(buf)
         if not load:
             return
         offset = 0
         with self.lock:
             for (name, dtype, shape), size in zip(specs, sizes):
-                chunk = buf[offset:offset + size]
-                self.params[name].copy_(chunk.view(dtype).view(shape))
+                received = buf[offset:offset + size].view(dtype).view(shape)
+                param = self.params[name]
+                if isinstance(param, torch.nn.Parameter) and param.dtype == dtype:
+                    param.data = received
+                else:
+                    param.copy_(received)
                 offset += size
+
+    def _free_buffer(self, key: str, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` that no parameter is a view of, from the two pooled
+        for the bucket ``key`` (its first tensor's name: the same bucket comes every sync, so
+        pages are reused, not faulted in again; the other one backs the live parameters)."""
+        in_use = {p.untyped_storage().data_ptr() for p in self.params.values()}
+        pool = self._recv_pool.setdefault(key, [])
+        free = [b for b in pool if b.untyped_storage().data_ptr() not in in_use]
+        fits = next((b for b in free if b.numel() >= nbytes), None)
+        if fits is None:
+            fits = torch.empty(nbytes, dtype=torch.uint8)
+            if free:  # a free one too small: replaced
+                pool[:] = [b for b in pool if b is not free[0]]
+            if len(pool) < 2:  # else both back parameters: this one is not pooled
+                pool.append(fits)
+        return fits[:nbytes]

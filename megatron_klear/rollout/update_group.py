@@ -82,11 +82,17 @@ class UpdateGroup:
     backend: str
     pg: object
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """Broadcast ``tensor`` in place from rank 0 of the group (blocking)."""
+    def broadcast(self, tensor: torch.Tensor, async_op: bool = False):
+        """Broadcast ``tensor`` in place from rank 0 of the group. Blocking; with
+        ``async_op`` it returns the work to ``wait()`` on (``tensor`` must stay untouched
+        until then)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
+        work = self.pg.broadcast([tensor], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def close(self) -> None:
         """Destroy the group (as SGLang's destroy_weights_update_group does); peers that are

@@ -7,16 +7,19 @@ the pipeline stages stream their layers one stage after another; then -- always,
 failure -- rank 0 closes the session (``/end_weight_update``) and resumes generation
 (``/continue_generation``), so no server is left paused or with an open session.
 
-Streaming a stage: ``export_hf_weights`` (the checkpoint bridge's one Megatron -> HF mapping;
-collective over TP) yields full HF-named tensors, which the stage's *source rank* packs into
-buckets of ``bucket_bytes``; per bucket one POST ``/update_weights_from_distributed`` and one
-broadcast over the weight-update group. ``load_format="flattened_bucket"`` (default) sends the
-tensors' bytes back to back in one uint8 buffer, largest element size first so every tensor
-starts at an offset aligned to its dtype (SGLang's ``FlattenedTensorBucket`` refuses others);
-``load_format=None`` broadcasts each tensor as is. Pipelining: bucket k+1 is exported and
-packed while bucket k is on the wire; its request is POSTed once every server answered bucket
-k (one request in flight: concurrent requests may reach a server in either order). Only
-data-parallel replica 0 exports.
+Streaming a stage: ``hf_bridge.export_views`` (the checkpoint bridge's one Megatron -> HF
+mapping; collective over TP) yields each HF tensor as a view of the Megatron parameter (or of
+the TP-gathered shards), which the stage's *source rank* copies once, straight into its place
+in a bucket buffer; per bucket one POST ``/update_weights_from_distributed`` and one broadcast
+over the weight-update group. ``load_format="flattened_bucket"`` (default) sends the tensors'
+bytes back to back in one uint8 buffer, largest element size first so every tensor starts at
+an offset aligned to its dtype (SGLang's ``FlattenedTensorBucket`` refuses others);
+``load_format=None`` broadcasts each tensor as is. The buckets (membership, offsets, request
+bodies) are planned by the first sync and reused; the first bucket is small so the wire starts
+early, and a bucket of one contiguous tensor is sent from its own memory. Pipelining: bucket
+k+1 is packed while bucket k's broadcast (``async_op``) and request are in flight; request k+1
+is POSTed once every server answered bucket k (one request in flight: concurrent requests may
+reach a server in either order). Only data-parallel replica 0 exports.
 
 Group formation (sglang/srt/model_executor/model_runner_components/weight_updater.py): SGLang
 server i joins as ``rank_offset_i + tp_rank``; its TP size is read from ``GET /server_info``,
@@ -38,8 +41,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
 import time
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,43 +55,82 @@ from megatron_klear.rollout.launcher import free_port
 from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, open_update_group,
                                                  routable_address)
 
-__all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "flatten_bucket", "aligned_order",
-           "rank_layout",
+__all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "aligned_order", "plan_bucket",
+           "Bucket", "TensorSpec", "rank_layout",
            "trainer_sequence_logprobs", "PROBE_METRIC"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
 
 PROBE_METRIC = "weight_sync/probe_max_abs_diff"
+# the first bucket is this fraction of bucket_bytes: the wire waits only for its short pack,
+# later buckets are packed while the previous one is on the wire
+FIRST_BUCKET_FRACTION = 8
 
 
 class WeightSyncError(RuntimeError):
     """A server refused or failed a weight-update request; the message names it."""
 
 
-def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors in order into buckets of at most ``bucket_bytes`` (one larger tensor
-    forms a bucket of its own)."""
-    bucket, size = [], 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+def _tensor_nbytes(item: tuple) -> int:
+    return item[1].numel() * item[1].element_size()
+
+
+def iter_buckets(named: Iterable[tuple], bucket_bytes: int,
+                 nbytes: Callable[[tuple], int] = _tensor_nbytes,
+                 first_bucket_bytes: int | None = None) -> Iterator[list[tuple]]:
+    """Group ``(name, tensor, ...)`` items in order into buckets of at most ``bucket_bytes``
+    (``first_bucket_bytes`` for the first; ``nbytes(item)`` each; one larger tensor forms a
+    bucket of its own)."""
+    bucket, size, limit = [], 0, first_bucket_bytes or bucket_bytes
+    for item in named:
+        n = nbytes(item)
+        if bucket and size + n > limit:
             yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
+            bucket, size, limit = [], 0, bucket_bytes
+        bucket.append(item)
+        size += n
     if bucket:
         yield bucket
 
 
-def flatten_bucket(bucket: list[tuple[str, torch.Tensor]],
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensors' bytes back to back in one uint8 buffer (the flattened_bucket wire format),
-    written into ``out`` when given (a reused buffer avoids fresh page faults on CPU)."""
-    parts = [t.contiguous().view(-1).view(torch.uint8) for _, t in bucket]
-    if out is None:
-        return torch.cat(parts)
-    return torch.cat(parts, out=out)
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a bucket: HF name, shape, wire dtype, byte offset in the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One request's tensors (export order), their bytes, and the request body without its
+    ``weight_version`` (computed once, reused by every sync)."""
+
+    specs: tuple[TensorSpec, ...]
+    nbytes: int
+    flattened: bool
+    payload: dict
+
+
+def plan_bucket(tensors: list[tuple[str, tuple[int, ...], torch.dtype]], flattened: bool,
+                group_name: str) -> Bucket:
+    """A bucket of ``(name, HF shape, wire dtype)`` in export order. ``flattened``: offsets
+    in the flat buffer follow :func:`aligned_order`, and the request lists the tensors in
+    that (wire) order; otherwise each tensor is its own broadcast, in export order."""
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in tensors]
+    order = aligned_order(list(range(len(tensors))), key=lambda i: tensors[i][2].itemsize) \
+        if flattened else list(range(len(tensors)))
+    offsets, offset = [0] * len(tensors), 0
+    for i in order:
+        offsets[i], offset = offset, offset + sizes[i]
+    specs = tuple(TensorSpec(n, tuple(s), d, o) for (n, s, d), o in zip(tensors, offsets))
+    wire = [specs[i] for i in order]
+    payload = {"names": [t.name for t in wire], "dtypes": [dtype_name(t.dtype) for t in wire],
+               "shapes": [list(t.shape) for t in wire], "group_name": group_name,
+               "flush_cache": False, "load_format": "flattened_bucket" if flattened else None}
+    return Bucket(specs, sum(sizes), flattened, payload)
 
 
 def trainer_sequence_logprobs(model: torch.nn.Module | list[torch.nn.Module], arch,
@@ -148,14 +192,26 @@ class WeightSync:
             if self.backend == "nccl" else torch.device("cpu")
         self.group: UpdateGroup | None = None
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
-        self._sender = concurrent.futures.ThreadPoolExecutor(1)  # bucket k on the wire ...
-        self._http = concurrent.futures.ThreadPoolExecutor(1)  # ... while its request waits
+        self._http = concurrent.futures.ThreadPoolExecutor(1)  # the request in flight
+        from megatron_klear.checkpoint.hf_bridge import export_entries, export_gathers
+
+        self._entries = export_entries(model_chunks, arch)  # the RULES walk, once per run
+        self._gathers = export_gathers()
+        self._views: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
+        self._views_storage: list[int] | None = None
+        self._plan: list[Bucket] | None = None  # the buckets, planned by the first sync
+        self._copies: dict[tuple[int, int], list] = {}  # per (bucket, buffer): destinations
 
     @property
     def client(self) -> RolloutClient:
         """A client of the current members (no retries: a weight request is not repeatable)."""
         return RolloutClient(self.members or self.urls, request_timeout_s=self.timeout_s,
                              max_retries=0)
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Bytes of each bucket this rank sends per sync (the plan; empty before a sync)."""
+        return [b.nbytes for b in self._plan or []]
 
     # ------------------------------------------------------------------ group lifecycle
     def connect(self) -> None:
@@ -166,7 +222,6 @@ class WeightSync:
         """Destroy the weight-update groups on servers and trainer (collective)."""
         self._per_stage(self._leave)
         self.members = []
-        self._sender.shutdown()
         self._http.shutdown()
 
     def _live_urls(self) -> list[str]:
@@ -321,26 +376,28 @@ class WeightSync:
     def _send_stage(self, weight_version: str) -> int:
         """Stream this stage's tensors (all TP ranks iterate; the source sends). Bytes sent.
 
-        Pipelined: bucket k+1 is exported and packed while bucket k is on the wire.
+        Pipelined: bucket k+1 is packed while bucket k's broadcast (``async_op``) and its
+        request are in flight; one request in flight at a time.
         """
         if not self.replica0 and not self.arch.is_moe:
             return 0
-        named = self._export()
+        items = self._export()
         if not self.is_source:
             # the TP all-gathers inside the export are collective; with MoE, so are the
             # expert gathers over EP and expert-TP groups, which megatron carves out of the
             # data-parallel ranks: every replica then iterates (the source alone sends)
-            for _ in named:
+            for _ in items:
                 pass
             return 0
         sent, inflight = 0, None
         try:
-            for i, bucket in enumerate(iter_buckets(named, self.bucket_bytes)):
-                payload, tensors = self._pack(bucket, weight_version, slot=i % 2)
+            for i, (bucket, views) in enumerate(self._buckets(items)):
+                tensors = self._pack(bucket, views, slot=i % 2)
                 if inflight is not None:
-                    sent += inflight.result()
-                inflight = self._sender.submit(self._transfer, payload, tensors)
-            return sent + (inflight.result() if inflight is not None else 0)
+                    sent += self._finish(inflight)
+                inflight = self._start(bucket, tensors, weight_version)
+            inflight, last = None, inflight
+            return sent + (self._finish(last) if last is not None else 0)
         except WeightSyncError:
             raise
         except Exception as exc:
@@ -351,43 +408,95 @@ class WeightSync:
                                   "checkpoint") from exc
         finally:
             if inflight is not None:  # never leave a broadcast running on the group
-                concurrent.futures.wait([inflight])
+                with contextlib.suppress(Exception):
+                    self._finish(inflight)
 
-    def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from megatron_klear.checkpoint.hf_bridge import export_hf_weights
+    def _export(self) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+        """(HF name, view, HF shape) of this stage's tensors (hf_bridge.export_views). Without
+        gathers the views are of the parameters: made once, reused while every parameter
+        keeps its storage (the optimizer updates in place)."""
+        from megatron_klear.checkpoint.hf_bridge import export_views
 
-        for name, t in export_hf_weights(self.model_chunks, self.arch, copy=False):
-            yield name, t if self.dtype is None else t.to(self.dtype)
+        if self._gathers:
+            return export_views(self._entries, self.arch)
+        storage = [p.data_ptr() for p, _, _ in self._entries]
+        if storage != self._views_storage:
+            self._views = list(export_views(self._entries, self.arch))
+            self._views_storage = storage
+        return iter(self._views)
 
-    def _pack(self, bucket: list[tuple[str, torch.Tensor]], weight_version: str,
-              slot: int) -> tuple[dict, list[torch.Tensor]]:
-        """The request of one bucket and the tensors to broadcast (one flat buffer, or each)."""
-        if self.load_format == "flattened_bucket":
-            bucket = aligned_order(bucket)
-        payload = {"names": [n for n, _ in bucket],
-                   "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                   "shapes": [list(t.shape) for _, t in bucket],
-                   "group_name": self.group_name, "flush_cache": False,
-                   "weight_version": weight_version, "load_format": self.load_format}
-        if self.load_format != "flattened_bucket":
-            return payload, [t.contiguous() for _, t in bucket]
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        if self._buffers[slot].numel() < nbytes:  # grow-only: pages stay mapped across syncs
-            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return payload, [flatten_bucket(bucket, out=self._buffers[slot][:nbytes])]
+    def _buckets(self, items: Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]
+                 ) -> Iterator[tuple[Bucket, list[torch.Tensor]]]:
+        """(bucket, its views in export order). The first sync plans the buckets from the
+        export stream; later syncs follow that plan (names checked), with no re-planning."""
+        if self._plan is not None:
+            for bucket in self._plan:
+                views = []
+                for spec in bucket.specs:
+                    name, view, _ = next(items)
+                    if name != spec.name:
+                        raise WeightSyncError(f"the export yielded {name!r} where the bucket "
+                                              f"plan has {spec.name!r}: the model changed "
+                                              "since the first sync; build a new WeightSync")
+                    views.append(view)
+                yield bucket, views
+            return
+        plan = []
+        first = max(1, self.bucket_bytes // FIRST_BUCKET_FRACTION)
+        for group in iter_buckets(items, self.bucket_bytes, self._nbytes, first):
+            plan.append(plan_bucket([(n, s, self.dtype or v.dtype) for n, v, s in group],
+                                    self.load_format == "flattened_bucket", self.group_name))
+            yield plan[-1], [v for _, v, _ in group]
+        self._plan = plan
 
-    def _transfer(self, payload: dict, tensors: list[torch.Tensor]) -> int:
-        """POST the bucket's request, broadcast its tensors, await every server's reply.
+    def _nbytes(self, item: tuple[str, torch.Tensor, tuple[int, ...]]) -> int:
+        dtype = self.dtype or item[1].dtype
+        return item[1].numel() * dtype.itemsize
 
-        One request in flight at a time: servers may take concurrent requests in either
-        order, and a server in the wrong bucket's broadcast deadlocks the group.
-        """
+    def _pack(self, bucket: Bucket, views: list[torch.Tensor], slot: int) -> list[torch.Tensor]:
+        """The tensors to broadcast: each view copied once, straight into its place in the
+        flat buffer (flattened_bucket; a bucket of one contiguous tensor, e.g. the embedding
+        at TP=1, is sent from the tensor's own memory), or each tensor as is (per tensor:
+        copied only where the HF tensor is not a contiguous view, or its dtype changes)."""
+        if not bucket.flattened:
+            return [v.reshape(spec.shape).to(spec.dtype).contiguous()
+                    for spec, v in zip(bucket.specs, views)]
+        only = views[0]
+        if len(views) == 1 and only.is_contiguous() and only.dtype == bucket.specs[0].dtype:
+            return [only.reshape(-1).view(torch.uint8)]  # its own bytes are the bucket
+        if self._buffers[slot].numel() < bucket.nbytes:  # grow-only: pages stay mapped
+            self._buffers[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8,
+                                              device=self.device)
+        buf = self._buffers[slot]
+        key = (id(bucket), buf.data_ptr())
+        if key not in self._copies:  # each tensor's place in the buffer, made once
+            self._copies[key] = [
+                buf[t.offset:t.offset + math.prod(t.shape) * t.dtype.itemsize]
+                .view(t.dtype).view(v.shape) for t, v in zip(bucket.specs, views)]
+        for dst, v in zip(self._copies[key], views):
+            dst.copy_(v)
+        return [buf[:bucket.nbytes]]
+
+    def _start(self, bucket: Bucket, tensors: list[torch.Tensor], weight_version: str
+               ) -> tuple[concurrent.futures.Future, list, int]:
+        """POST the bucket's request and start its broadcasts (``async_op``); returns what
+        :meth:`_finish` awaits. One request in flight at a time: servers may take concurrent
+        requests in either order, and a server in the wrong bucket's broadcast deadlocks
+        the group."""
+        payload = dict(bucket.payload, weight_version=weight_version)
         reply = self._http.submit(self.client.post_all, "/update_weights_from_distributed",
                                   payload)
-        for t in tensors:
-            self.group.broadcast(t if t.device == self.device else t.to(self.device))
+        works = [self.group.broadcast(t if t.device == self.device else t.to(self.device),
+                                      async_op=True) for t in tensors]
+        return reply, works, bucket.nbytes
+
+    def _finish(self, inflight: tuple[concurrent.futures.Future, list, int]) -> int:
+        """Await a bucket's broadcasts and every server's reply; the bucket's bytes."""
+        reply, works, nbytes = inflight
+        for work in works:
+            work.wait()
         self._check(reply.result(), "/update_weights_from_distributed")
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return nbytes
 
     # ------------------------------------------------------------------ probe
     def probe(self, input_ids: list[int], trainer_logprobs: torch.Tensor) -> float:
@@ -428,10 +537,12 @@ def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:
     return offsets, 1 + sum(tp_sizes)
 
 
-def aligned_order(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's tensors, largest element size first (stable): in the flattened buffer every
-    tensor then starts at a multiple of its element size (sizes are powers of two)."""
-    return sorted(bucket, key=lambda nt: -nt[1].element_size())
+def aligned_order(items: list, key: Callable[[Any], int] = lambda nt: nt[1].element_size()
+                  ) -> list:
+    """``items`` (default: ``(name, tensor)``) largest element size (``key``) first, stable: in
+    the flattened buffer every tensor then starts at a multiple of its element size (sizes
+    are powers of two)."""
+    return sorted(items, key=lambda item: -key(item))
 
 
 def _agree(error: BaseException | None) -> None:

@@ -41,10 +41,13 @@ def sglang_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("sglang_model"))
 
 
-def start_sglang(model_dir: Path, num_servers: int, log_dir: Path, tp: int = 1):
-    """Real SGLang servers on 127.0.0.1 with the CPU engine flags."""
+def start_sglang(model_dir: Path, num_servers: int, log_dir: Path, tp: int = 1,
+                 base_port: int | None = None):
+    """Real SGLang servers on 127.0.0.1 with the CPU engine flags (``base_port``: restart a
+    server on the port it had)."""
     try:
         return launch_sglang_servers(model_dir, num_servers, tp=tp, log_dir=log_dir,
+                                     base_port=base_port,
                                      startup_timeout_s=STARTUP_S, python=str(SGLANG_PYTHON),
                                      env=sglang_cpu_env(tp),
                                      extra_args=SGLANG_CPU_ARGS + MODEL_ARGS)

@@ -140,3 +140,46 @@ def test_server_killed_mid_step_costs_no_prompt(servers, sglang_model, prompts, 
     _check_run(hist, 3)
     assert [m["data/consumed_prompts"] for m in hist] == [4, 8, 12]  # no prompt skipped
     assert all(m["rollout/groups_kept"] == 4 for m in hist)  # every batch complete
+
+
+def _rejoin(rank: int, world: int, model_dir: str, survivor: str, victim: str, log_dir: str):
+    """Sync with the victim dead, restart it on its port, sync again (world 1, one process)."""
+    from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
+    from tests.test_weight_sync import PROBE_IDS, STALE_MIN, _build
+
+    model, arch = _build(model_dir, 1, 1, seed=11)  # weights far from the checkpoint's
+    lp = trainer_sequence_logprobs(model, arch, PROBE_IDS)
+    sync = WeightSync([survivor, victim], [model], arch, bucket_bytes=64 * 1024)
+    out = {}
+    try:
+        sync.connect()
+        sync.sync("a")  # the victim is dead: the survivor alone forms the group
+        out["members_dead"] = list(sync.members)
+        port = int(victim.rsplit(":", 1)[1])
+        with start_sglang(Path(model_dir), 1, Path(log_dir), base_port=port) as restarted:
+            assert restarted.urls == [victim]
+            fresh = torch.tensor(RolloutClient([victim]).prompt_logprobs(PROBE_IDS)[0])
+            out["restarted_before"] = float((fresh.double() - lp.double()).abs().max())
+            sync.sync("b")  # the restarted server rejoins and receives the full weights
+            out["members_restarted"] = list(sync.members)
+            out["probe"] = sync.probe(PROBE_IDS, lp)  # max over both servers
+            out["version"] = RolloutClient([victim]).get_all("/get_model_info")[victim][
+                "weight_version"]
+            assert out["restarted_before"] > STALE_MIN  # the checkpoint's weights, not ours
+    finally:
+        sync.close()
+    return out
+
+
+def test_restarted_server_rejoins_weight_sync(servers, sglang_model, tmp_path):
+    """After the kill -9 test: a real SGLang server restarted on the victim's port rejoins the
+    weight-update group at the next sync (the group is re-formed; the survivor's stale group
+    is dropped) and serves the trainer's weights."""
+    survivor, victim = servers.urls[0], servers.urls[2]
+    assert not RolloutClient([victim]).health()[victim]  # killed by the previous test
+    got = run_distributed(_rejoin, 1, str(sglang_model), survivor, victim,
+                          str(tmp_path / "logs"), timeout=600)[0]
+    assert got["members_dead"] == [survivor]
+    assert got["members_restarted"] == [survivor, victim]
+    assert got["probe"] < PROBE_TOL, got
+    assert got["version"] == "b"
