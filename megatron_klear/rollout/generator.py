@@ -90,6 +90,35 @@ def _register_grouped_attention() -> None:
     AttentionMaskInterface.register(GROUPED_ATTENTION, eager_mask)
 
 
+def _growing_layer_class():
+    """transformers' ``DynamicLayer`` whose keys/values live in a buffer with spare capacity
+    (doubled when full): a decode step writes one position in place instead of ``torch.cat``
+    copying the whole cache (``DynamicLayer.update``, transformers/cache_utils.py)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            held = self.keys.shape[-2] if self.keys.numel() else 0
+            need = held + key_states.shape[-2]
+            buf = getattr(self, "_buffers_kv", None)
+            if (buf is None or buf[0].shape[-2] < need or buf[0].shape[:2] != key_states.shape[:2]
+                    or (held and self.keys.data_ptr() != buf[0].data_ptr())):  # reordered
+                shape = (*key_states.shape[:2], 2 * need, key_states.shape[-1])
+                buf = (key_states.new_empty(shape), value_states.new_empty(shape))
+                if held:
+                    buf[0][..., :held, :] = self.keys
+                    buf[1][..., :held, :] = self.values
+                self._buffers_kv = buf
+            buf[0][..., held:need, :] = key_states
+            buf[1][..., held:need, :] = value_states
+            self.keys, self.values = buf[0][..., :need, :], buf[1][..., :need, :]
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
 class Generator:
     """An HF Qwen3 model on CPU with batched sampling (fp32 by default)."""
 
@@ -162,12 +191,16 @@ class Generator:
         """A fresh KV cache of every sequence's prompt + tokens so far (left-padded): the ids,
         logits, attention mask, last positions and cache. Identical rows are computed once."""
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
         rows = [tuple(s.prompt_ids + s.output_ids) for s in seqs]
         unique = {row: i for i, row in enumerate(dict.fromkeys(rows))}
         ids, mask = self._left_pad([list(row) for row in unique])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.config)
+        growing = _growing_layer_class()
+        cache.layers = [growing() if type(layer) is DynamicLayer else layer
+                        for layer in cache.layers]
         logits = self._forward(ids, mask, positions, cache)
         if len(unique) < len(rows):  # the n samples of a prompt share one prefill (a prefix
             index = torch.tensor([unique[row] for row in rows])  # cache hit in SGLang)
