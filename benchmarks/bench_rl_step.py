@@ -43,10 +43,12 @@ SETTINGS = {
     "held-out": ({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
                   "head_dim": 32}, 16, 8, 32),
 }
-# klear-rl layouts: name -> (processes, extra flags)
+# klear-rl layouts: name -> (processes, extra flags); "-2srv": two embedded rollout servers
+# (one decode thread each), which split every rollout between them
 LAYOUTS = {
     "tp1-1rank": (1, []),
     "tp1-dp2": (2, []),
+    "tp1-dp2-2srv": (2, ["--rollout-num-servers", "2"]),
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
 }
 
@@ -298,7 +300,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--part", choices=("all", "packing", "trl", "async"), default="all")
-    p.add_argument("--layouts", default="tp1-1rank,tp1-dp2,tp2",
+    p.add_argument("--layouts", default="tp1-1rank,tp1-dp2,tp1-dp2-2srv,tp2",
                    help=f"klear-rl layouts to time, from {sorted(LAYOUTS)}")
     p.add_argument("--settings", default="bench,held-out", help=f"from {sorted(SETTINGS)}")
     args = p.parse_args()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_klear.rollout.sampling import (RequestError, SamplingConfig, filter_top_k_top_p,
-                                             find_stop_string, sample_next, token_logprobs)
+                                             find_stop_string, sample_next, seeded_uniforms,
+                                             token_logprobs)
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
 
@@ -40,15 +41,46 @@ def test_temperature_scaled_logprobs():
     assert lp[1, 2].item() == pytest.approx(4.0 - math.log(z1), abs=1e-6)
 
 
-def test_sampling_follows_the_filtered_distribution():
+@pytest.mark.parametrize("draws", ["generator", "seeded"])
+def test_sampling_follows_the_filtered_distribution(draws):
+    """Inverse-CDF sampling at the row's uniform draw follows the top-k filtered distribution,
+    with draws from a torch generator or from the (seed, position) counter stream."""
     cfg = SamplingConfig(top_k=2)
-    gen = torch.Generator().manual_seed(0)
     rows = PROBS.log().expand(4000, 4)
-    tokens = sample_next(rows, [cfg] * 4000, [gen] * 4000)
+    if draws == "generator":
+        u = torch.rand(4000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    else:  # 4000 positions of one seed
+        u = seeded_uniforms(torch.full((4000,), 123), torch.arange(4000))
+    tokens = sample_next(rows, [cfg] * 4000, u)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=0.03, rtol=0)
-    greedy = sample_next(rows[:3], [SamplingConfig(temperature=0.0)] * 3, [gen] * 3)
+    greedy = sample_next(rows[:3], [SamplingConfig(temperature=0.0)] * 3, u[:3])
     assert greedy.tolist() == [1, 1, 1]
+
+
+def test_rows_keep_their_own_sampling_config():
+    """One batch mixing greedy, top-p and top-k rows: each row samples only its own kept set
+    (the hand-computed sets above), whatever its draw."""
+    cfgs = [SamplingConfig(temperature=0.0), SamplingConfig(top_p=0.45),
+            SamplingConfig(top_k=2), SamplingConfig(top_p=0.75)]
+    kept = [{1}, {1}, {1, 3}, {1, 3}]
+    seen: list[set] = [set() for _ in cfgs]
+    for u in torch.linspace(0.0, 0.999, 200, dtype=torch.float64):
+        tokens = sample_next(PROBS.log().expand(4, 4), cfgs, u.expand(4))
+        for row, tok in enumerate(tokens.tolist()):
+            seen[row].add(tok)
+    assert seen == kept
+
+
+def test_seeded_draws_depend_on_seed_and_position_only():
+    seeds, pos = torch.tensor([5, 5, 6, 2**40 + 5]), torch.tensor([10, 11, 10, 10])
+    u = seeded_uniforms(seeds, pos)
+    assert len(set(u.tolist())) == 4  # seed, position and the seed's high bits all matter
+    assert seeded_uniforms(seeds[[2, 0]], pos[[2, 0]]).tolist() == [u[2].item(), u[0].item()]
+    many = seeded_uniforms(torch.arange(20000), torch.zeros(20000, dtype=torch.long))
+    assert 0.0 <= many.min() and many.max() < 1.0
+    hist = torch.histc(many.float(), bins=10, min=0.0, max=1.0) / 20000
+    torch.testing.assert_close(hist, torch.full((10,), 0.1), atol=0.01, rtol=0)
 
 
 def test_earliest_stop_string_wins():

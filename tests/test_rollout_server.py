@@ -138,6 +138,9 @@ def test_prompt_logprobs_every_server(client, reference):
     ({"text": "a", "sampling_params": {"n": 0}}, 400, "sampling_params.n"),
     ({"text": "a", "sampling_params": {"max_new_tokens": 100000}}, 400, "context length"),
     ({"text": "a", "sampling_params": {"stop": [""]}}, 400, "stop"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, 400, "a list of 1 for 2 prompts"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {}]}, 400, "n must be 1"),
+    ({"input_ids": [[1], []]}, 400, "the prompt is empty"),
 ])
 def test_malformed_generate_gets_400(servers, body, status, needle):
     code, reply = _post(servers.urls[0], "/generate", body)
@@ -224,6 +227,29 @@ def test_seed_semantics_match_sglang(servers, client):
         [g.output_ids for g in gens]
     info = client.server_info()[servers.urls[0]]
     assert info["tp_size"] == 1 and info["enable_deterministic_inference"] is True
+
+
+def test_batch_form_answers_each_prompt_as_its_own_request(servers):
+    """SGLang's batch form (a list of prompts, one sampling_params per prompt): one output per
+    prompt in order, each the same as that prompt sent alone (seeded, so the draws depend on
+    (seed, position) only, not on the batch), as the client's rollout requests rely on."""
+    prompts, seeds = [[5, 6, 7], [9, 10], [5, 6, 7]], [3, 4, 8]
+    body = {"input_ids": prompts, "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": 6, "sampling_seed": s} for s in seeds]}
+    code, outs = _post(servers.urls[0], "/generate", body)
+    assert code == 200 and isinstance(outs, list) and len(outs) == 3
+    for prompt, seed, out in zip(prompts, seeds, outs):
+        alone = {"input_ids": prompt, "return_logprob": True,
+                 "sampling_params": {"max_new_tokens": 6, "sampling_seed": seed}}
+        single = _post(servers.urls[1], "/generate", alone)[1]
+        assert out["output_ids"] == single["output_ids"]
+        torch.testing.assert_close([x[0] for x in out["meta_info"]["output_token_logprobs"]],
+                                   [x[0] for x in single["meta_info"]["output_token_logprobs"]],
+                                   atol=1e-5, rtol=0)
+    assert outs[0]["output_ids"] != outs[2]["output_ids"]  # same prompt, other seed
+    one = _post(servers.urls[0], "/generate", {"text": ["x"], "sampling_params": {
+        "max_new_tokens": 2}})[1]
+    assert isinstance(one, list) and len(one) == 1  # the batch form replies with a list
 
 
 def test_generate_inside_running_event_loop(client):

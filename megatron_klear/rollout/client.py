@@ -8,11 +8,11 @@ both speak the same API. Guarantees:
   retried with exponential backoff on the least-loaded server that is not marked down (a
   server that keeps failing stays down longer); after ``max_retries`` retries a
   :class:`RolloutError` names every server URL and its last error;
-* seeded sampling stays correct on SGLang: each of the n samples of a seeded prompt is its own
-  request (n=1) with its own seed (:func:`sample_seed`). SGLang gives the n copies of one
-  request the same ``sampling_seed``, and its seeded sampler depends only on (seed, position,
-  token) (``sglang/srt/layers/sampler.py``, ``multinomial_with_seed``), so n copies of one
-  seeded request come out identical. SGLang honours the seed only when the server runs with
+* seeded sampling stays correct on SGLang: each of the n samples of a seeded prompt is its
+  own n=1 prompt of a batch request with its own seed (:func:`sample_seed`). SGLang gives
+  the n copies of one request the same ``sampling_seed``, and its seeded sampler depends
+  only on (seed, position, token) (``sglang/srt/layers/sampler.py``,
+  ``multinomial_with_seed``), so n copies of one seeded request come out identical. SGLang honours the seed only when the server runs with
   ``--enable-deterministic-inference``; without it the samples are distinct but not
   reproducible (docs/rollout.md);
 * a bad request (HTTP 4xx) is not retried: it is a bug, reported with the server's message;
@@ -139,31 +139,38 @@ class RolloutClient:
         """n generations per prompt, in prompt order (token-id prompts go as input_ids).
 
         ``seeds`` gives each prompt its own seed, so its samples do not depend on which server
-        or batch serves them: sample j is its own request with ``sample_seed(seed, j)``.
-        Unseeded prompts go as one request with ``n`` (SGLang samples the copies independently).
+        or batch serves them: sample j carries ``sample_seed(seed, j)``. Every sample is one
+        n=1 prompt of SGLang's batch form (unseeded samples are independent draws either
+        way); the samples are split into one batch request per server that may serve them,
+        so a whole rollout costs a few HTTP requests instead of one per sample.
         """
-        sem = asyncio.Semaphore(self.max_concurrency)
         seeds = seeds if seeds is not None else [params.sampling_seed] * len(prompts)
-        base = {k: v for k, v in params.to_sglang().items() if k != "sampling_seed"}
+        base = {k: v for k, v in params.to_sglang().items() if k != "sampling_seed"} | {"n": 1}
+        items = [(prompt, base if seed is None
+                  else {**base, "sampling_seed": sample_seed(seed, j)})
+                 for prompt, seed in zip(prompts, seeds) for j in range(params.n)]
+        if not items:
+            return [[] for _ in prompts]
+        parts = len([s for s in self.servers if self.active is None or s.url in self.active])
+        size = -(-len(items) // max(parts, 1))
+        sem = asyncio.Semaphore(self.max_concurrency)
         async with self._session() as session:
-            async def request(prompt, sampling: dict) -> list[Generation]:
-                key = "text" if isinstance(prompt, str) else "input_ids"
-                payload = {key: prompt, "sampling_params": sampling, "return_logprob": True}
+            async def request(chunk: list[tuple]) -> list[Generation]:
+                key = "text" if isinstance(chunk[0][0], str) else "input_ids"
+                payload = {key: [p for p, _ in chunk], "sampling_params": [sp for _, sp in chunk],
+                           "return_logprob": True}
                 async with sem:
                     out = await self._post_balanced(session, "/generate", payload,
                                                     check=_not_aborted)
-                return [Generation.from_sglang(o) for o in (out if isinstance(out, list)
-                                                            else [out])]
+                if not isinstance(out, list) or len(out) != len(chunk):
+                    raise RolloutError(f"/generate answered a batch of {len(chunk)} prompts with "
+                                       f"{len(out) if isinstance(out, list) else 1} outputs")
+                return [Generation.from_sglang(o) for o in out]
 
-            async def one(prompt, seed) -> list[Generation]:
-                if seed is None:
-                    return await request(prompt, base)
-                own = [{**base, "n": 1, "sampling_seed": sample_seed(seed, j)}
-                       for j in range(params.n)]
-                parts = await asyncio.gather(*(request(prompt, sp) for sp in own))
-                return [g for part in parts for g in part]
-
-            return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds))))
+            chunks = [items[i:i + size] for i in range(0, len(items), size)]
+            gens = [g for part in await asyncio.gather(*(request(c) for c in chunks))
+                    for g in part]
+        return [gens[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> list[list[Generation]]:

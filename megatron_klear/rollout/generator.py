@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from megatron_klear.rollout.sampling import (SamplingConfig, find_stop_string, sample_next,
-                                             token_logprobs)
+                                             seeded_uniforms, token_logprobs)
 
 __all__ = ["Sequence", "Generator"]
 
@@ -59,6 +59,66 @@ def expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return views
 
 
+GROUPED_ATTENTION = "klear_grouped_eager"
+
+
+def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+                      dropout: float = 0.0, **_) -> tuple[torch.Tensor, None]:
+    """transformers' eager attention (``eager_attention_forward`` of modeling_qwen3.py: same
+    mask, fp32 softmax) for grouped-query attention without ``repeat_kv``: the query heads of
+    one KV head are stacked along the query axis, so the KV cache is read in place instead of
+    copied ``num_key_value_groups`` times at every decode step."""
+    b, h, t, d = query.shape
+    kv = key.shape[1]
+    q = query.reshape(b, kv, (h // kv) * t, d)
+    weights = torch.matmul(q, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        s = weights.shape[-1]
+        weights = (weights.view(b, kv, h // kv, t, s) + attention_mask[:, :, None]).view(
+            b, kv, -1, s)
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights, value).view(b, h, t, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_grouped_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+    AttentionMaskInterface.register(GROUPED_ATTENTION, eager_mask)
+
+
+def _growing_layer_class():
+    """transformers' ``DynamicLayer`` whose keys/values live in a buffer with spare capacity
+    (doubled when full): a decode step writes one position in place instead of ``torch.cat``
+    copying the whole cache (``DynamicLayer.update``, transformers/cache_utils.py)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            held = self.keys.shape[-2] if self.keys.numel() else 0
+            need = held + key_states.shape[-2]
+            buf = getattr(self, "_buffers_kv", None)
+            if (buf is None or buf[0].shape[-2] < need or buf[0].shape[:2] != key_states.shape[:2]
+                    or (held and self.keys.data_ptr() != buf[0].data_ptr())):  # reordered
+                shape = (*key_states.shape[:2], 2 * need, key_states.shape[-1])
+                buf = (key_states.new_empty(shape), value_states.new_empty(shape))
+                if held:
+                    buf[0][..., :held, :] = self.keys
+                    buf[1][..., :held, :] = self.values
+                self._buffers_kv = buf
+            buf[0][..., held:need, :] = key_states
+            buf[1][..., held:need, :] = value_states
+            self.keys, self.values = buf[0][..., :need, :], buf[1][..., :need, :]
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
 class Generator:
     """An HF Qwen3 model on CPU with batched sampling (fp32 by default)."""
 
@@ -66,15 +126,16 @@ class Generator:
                  load_format: str = "auto") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        _register_grouped_attention()
         self.model_dir = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if load_format == "dummy":  # SGLang's --load-format dummy: random weights, no file reads
             config = AutoConfig.from_pretrained(self.model_dir)
-            config._attn_implementation = "eager"
+            config._attn_implementation = GROUPED_ATTENTION
             self.model = AutoModelForCausalLM.from_config(config).to(dtype)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
-                                                              attn_implementation="eager")
+                                                              attn_implementation=GROUPED_ATTENTION)
         self.model.eval().requires_grad_(False)
         self.config = self.model.config
         self.context_length = int(self.config.max_position_embeddings)
@@ -128,13 +189,23 @@ class Generator:
 
     def _prefill(self, seqs: list[Sequence]):
         """A fresh KV cache of every sequence's prompt + tokens so far (left-padded): the ids,
-        logits, attention mask, last positions and cache."""
+        logits, attention mask, last positions and cache. Identical rows are computed once."""
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
-        ids, mask = self._left_pad([s.prompt_ids + s.output_ids for s in seqs])
+        rows = [tuple(s.prompt_ids + s.output_ids) for s in seqs]
+        unique = {row: i for i, row in enumerate(dict.fromkeys(rows))}
+        ids, mask = self._left_pad([list(row) for row in unique])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.config)
+        growing = _growing_layer_class()
+        cache.layers = [growing() if type(layer) is DynamicLayer else layer
+                        for layer in cache.layers]
         logits = self._forward(ids, mask, positions, cache)
+        if len(unique) < len(rows):  # the n samples of a prompt share one prefill (a prefix
+            index = torch.tensor([unique[row] for row in rows])  # cache hit in SGLang)
+            cache.reorder_cache(index)
+            ids, logits, mask, positions = ids[index], logits[index], mask[index], positions[index]
         return ids, logits, mask, positions[:, -1:], cache
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
@@ -167,22 +238,27 @@ class Generator:
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()
 
     def _step(self, seqs: list[Sequence], logprobs: torch.Tensor) -> None:
-        tokens = sample_next(logprobs, [s.cfg for s in seqs], [self._rng(s) for s in seqs])
-        for row, s in enumerate(seqs):
+        tokens = sample_next(logprobs, [s.cfg for s in seqs], self._uniforms(seqs))
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        for s, tok, lp in zip(seqs, tokens.tolist(), chosen):
             if s.finish_reason is not None:
                 continue
-            tok = int(tokens[row])
             s.output_ids.append(tok)
-            s.logprobs.append(float(logprobs[row, tok]))
+            s.logprobs.append(lp)
             self._check_stop(s, tok)
 
-    def _rng(self, s: Sequence) -> torch.Generator:
-        """The server's stream, or for a seeded sequence one that depends only on (seed,
-        position), like SGLang's ``multinomial_with_seed`` (sglang/srt/layers/sampler.py)."""
-        if s.seed is None:
-            return self.generator
-        position = len(s.prompt_ids) + len(s.output_ids)
-        return torch.Generator().manual_seed((s.seed * 1_000_003 + position) % 2**63)
+    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One draw per row: from the server's stream, or for a seeded sequence from (seed,
+        position) only, like SGLang's ``multinomial_with_seed`` (sglang/srt/layers/sampler.py),
+        so it does not depend on the batch or server."""
+        out = torch.rand(len(seqs), generator=self.generator, dtype=torch.float64)
+        seeded = [i for i, s in enumerate(seqs) if s.seed is not None]
+        if seeded:
+            seeds = torch.tensor([seqs[i].seed % 2**63 for i in seeded])
+            pos = torch.tensor([len(seqs[i].prompt_ids) + len(seqs[i].output_ids)
+                                for i in seeded])
+            out[seeded] = seeded_uniforms(seeds, pos)
+        return out
 
     def _check_stop(self, s: Sequence, tok: int) -> None:
         if (tok in self.eos_ids and not s.cfg.ignore_eos) or tok in s.cfg.stop_token_ids:

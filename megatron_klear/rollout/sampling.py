@@ -86,32 +86,72 @@ def token_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Te
     return torch.log_softmax(logits.float() / t[:, None], dim=-1)
 
 
-def filter_top_k_top_p(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """One row of logprobs with tokens outside top-k / the top-p nucleus set to -inf."""
-    out = logprobs.clone()
-    if top_k > 0 and top_k < out.numel():
-        kth = torch.topk(out, top_k).values[-1]
-        out[out < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_lp, order = torch.sort(out, descending=True)
-        probs = sorted_lp.exp()
-        # drop a token when the mass strictly before it already reaches top_p
-        drop = (probs.cumsum(0) - probs) >= top_p
-        out[order[drop]] = float("-inf")
-    return out
+def filter_top_k_top_p(logprobs: torch.Tensor, top_k: int | torch.Tensor,
+                       top_p: float | torch.Tensor) -> torch.Tensor:
+    """Logprobs ``[..., V]`` with tokens outside top-k / the top-p nucleus set to -inf.
+
+    ``top_k`` / ``top_p`` are numbers or per-row tensors (``top_k`` <= 0: off). Ties with the
+    k-th value are kept; top-p drops a token when the probability mass strictly before it
+    (in descending order) already reaches ``top_p``.
+    """
+    vocab = logprobs.shape[-1]
+    k = torch.as_tensor(top_k).expand(logprobs.shape[:-1])
+    p = torch.as_tensor(top_p, dtype=logprobs.dtype).expand(logprobs.shape[:-1])
+    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+    kth = sorted_lp.gather(-1, (k.clamp(1, vocab) - 1)[..., None])
+    cut = (k[..., None] > 0) & (logprobs < kth)
+    probs = sorted_lp.exp()
+    drop_sorted = (probs.cumsum(-1) - probs) >= p[..., None]
+    cut = cut | torch.zeros_like(cut).scatter(-1, order, drop_sorted)
+    return logprobs.masked_fill(cut, float("-inf"))
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h * c mod 2**32`` for int64 ``h`` < 2**32 without int64 overflow (16-bit halves)."""
+    lo = h * (c & 0xFFFF)
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser (a bijective avalanche mix) on int64 tensors."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One float64 draw in [0, 1) per row that depends only on (seed, position): a counter-
+    based stream, so a seeded sample does not depend on its batch, row or server (the property
+    of SGLang's ``multinomial_with_seed``, sglang/srt/layers/sampler.py)."""
+    seeds, positions = seeds.long(), positions.long()
+    key = _fmix32(_fmix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
+    h1 = _fmix32(key ^ _fmix32(positions & _MASK32))
+    h2 = _fmix32(h1 ^ 0x9E3779B9)
+    return ((h1 << 21) + (h2 >> 11)).double() / 2.0**53
 
 
 def sample_next(logprobs: torch.Tensor, configs: list[SamplingConfig],
-                generators: list[torch.Generator]) -> torch.Tensor:
-    """Sample one token per row (argmax for greedy rows) with that row's generator."""
-    tokens = torch.empty(logprobs.shape[0], dtype=torch.long)
-    for row, cfg in enumerate(configs):
-        if cfg.greedy:
-            tokens[row] = int(torch.argmax(logprobs[row]))
-            continue
-        filtered = filter_top_k_top_p(logprobs[row], cfg.top_k, cfg.top_p)
-        tokens[row] = int(torch.multinomial(filtered.exp(), 1, generator=generators[row]))
-    return tokens
+                uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row, vectorised: argmax for greedy rows, else the inverse CDF of the
+    row's top-k/top-p filtered distribution at that row's uniform draw ``uniforms[row]``."""
+    greedy = torch.tensor([c.greedy for c in configs])
+    tokens = logprobs.argmax(-1)
+    if bool(greedy.all()):
+        return tokens
+    top_k = torch.tensor([c.top_k for c in configs])
+    top_p = torch.tensor([float(c.top_p) for c in configs], dtype=logprobs.dtype)
+    if bool((top_k > 0).any() or (top_p < 1.0).any()):
+        logprobs = filter_top_k_top_p(logprobs, top_k, top_p)
+    cdf = logprobs.double().exp().cumsum(-1)
+    target = (uniforms.double() * cdf[:, -1])[:, None]
+    drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logprobs.shape[-1] - 1)
+    return torch.where(greedy, tokens, drawn)
 
 
 def find_stop_string(text: str, stops: list[str]) -> tuple[int, str] | None:

@@ -72,6 +72,7 @@ class _Request:
     future: asyncio.Future
     return_logprob: bool
     logprob_start_len: int
+    batched: bool = False  # SGLang's batch form: the reply is a list, one output per prompt
     start: float = field(default_factory=time.monotonic)
 
 
@@ -140,7 +141,7 @@ class RolloutServer:
                 if r.logprob_start_len >= 0:
                     meta["input_token_logprobs"] = self._input_logprobs(s, r.logprob_start_len)
             outs.append({"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta})
-        return outs[0] if len(outs) == 1 else outs
+        return outs if r.batched or len(outs) > 1 else outs[0]
 
     @staticmethod
     def _input_logprobs(s: Sequence, start: int) -> list[list]:
@@ -149,20 +150,51 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ /generate
     def parse_generate(self, body: dict) -> _Request:
-        """Validate a /generate body into a queued request (RequestError names the field)."""
+        """Validate a /generate body into a queued request (RequestError names the field).
+
+        SGLang's batch form is accepted too: ``input_ids`` a list of id lists (or ``text`` a
+        list of strings) with ``sampling_params`` one object for all or a list of one per
+        prompt; the reply is then a list with one output per prompt, in order. Within a batch
+        every prompt must have n = 1 (SGLang orders a batch's n > 1 copies its own way,
+        sglang/srt/managers/io_struct.py ``GenerateReqInput``; the client never sends that).
+        """
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded server")
-        prompt = self._prompt_ids(body)
-        cfg = SamplingConfig.from_request(body.get("sampling_params"))
+        prompts, batched = self._prompts(body)
+        cfgs = self._sampling_configs(body.get("sampling_params"), len(prompts), batched)
+        start = body.get("logprob_start_len", -1)
+        want_input = bool(body.get("return_logprob")) and isinstance(start, int) and start >= 0
+        seqs = []
+        for prompt, cfg in zip(prompts, cfgs):
+            self._check_prompt(prompt, cfg, start)
+            seqs += self._sequences(prompt, cfg, want_input)
+        rid = body.get("rid") or uuid.uuid4().hex
+        return _Request(str(rid), seqs, asyncio.get_running_loop().create_future(),
+                        bool(body.get("return_logprob")), start, batched)
+
+    def _sampling_configs(self, params, count: int, batched: bool) -> list[SamplingConfig]:
+        if not (batched and isinstance(params, list)):
+            return [SamplingConfig.from_request(params)] * count
+        if len(params) != count:
+            raise RequestError(f"sampling_params: a list of {len(params)} for {count} prompts; "
+                               "give one object per prompt or one object for all")
+        cfgs = [SamplingConfig.from_request(p) for p in params]
+        if any(c.n > 1 for c in cfgs):
+            raise RequestError("sampling_params.n must be 1 for every prompt of a batch request "
+                               "(send the n samples as n prompts)")
+        return cfgs
+
+    def _check_prompt(self, prompt: list[int], cfg: SamplingConfig, start) -> None:
         if len(prompt) + cfg.max_new_tokens > self.gen.context_length:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                f"({cfg.max_new_tokens}) exceeds the context length "
                                f"{self.gen.context_length}")
-        start = body.get("logprob_start_len", -1)
         if not isinstance(start, int) or start >= max(len(prompt), 1):
             raise RequestError(f"logprob_start_len={start!r} must be an integer < the prompt "
                                f"length {len(prompt)} (-1: no input logprobs)")
-        want_input = bool(body.get("return_logprob")) and start >= 0
+
+    def _sequences(self, prompt: list[int], cfg: SamplingConfig,
+                   want_input: bool) -> list[Sequence]:
         seqs = [Sequence(list(prompt), cfg, want_input) for _ in range(cfg.n)]
         if cfg.sampling_seed is not None and self.deterministic:
             # SGLang's seeded sampler (sglang/srt/layers/sampler.py, multinomial_with_seed)
@@ -171,25 +203,31 @@ class RolloutServer:
             # --enable-deterministic-inference SGLang ignores the seed; so does this server.
             for s in seqs:
                 s.seed = cfg.sampling_seed
-        rid = body.get("rid") or uuid.uuid4().hex
-        return _Request(str(rid), seqs, asyncio.get_running_loop().create_future(),
-                        bool(body.get("return_logprob")), start)
+        return seqs
 
-    def _prompt_ids(self, body: dict) -> list[int]:
+    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+        """The prompts' token ids and whether the body used the batch form."""
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise RequestError("give exactly one of 'text' or 'input_ids'")
         if text is not None:
-            if not isinstance(text, str):
-                raise RequestError("'text' must be a string (batched lists are not supported)")
-            ids = self.gen.tokenizer.encode(text, add_special_tokens=False)
+            batched = isinstance(text, list)
+            texts = text if batched else [text]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise RequestError("'text' must be a string or a non-empty list of strings")
+            prompts = [self.gen.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        else:
+            batched = isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
+            prompts = ids if batched else [ids]
         vocab = self.gen.config.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab
-                                                for t in ids):
-            raise RequestError(f"'input_ids' must be a flat list of token ids in [0, {vocab})")
-        if not ids:
-            raise RequestError("the prompt is empty")
-        return ids
+        for p in prompts:
+            if not isinstance(p, list) or not all(isinstance(t, int) and 0 <= t < vocab
+                                                  for t in p):
+                raise RequestError(f"'input_ids' must be a list of token ids in [0, {vocab}) "
+                                   "or a list of such lists")
+            if not p:
+                raise RequestError("the prompt is empty")
+        return prompts, batched
 
     async def generate(self, request: web.Request) -> web.Response:
         """POST /generate."""
