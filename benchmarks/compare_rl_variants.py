@@ -63,9 +63,11 @@ def _rl_stage(seed_dir: Path, name: str, args: argparse.Namespace) -> dict:
 
 
 def _table(rows: list[dict], names: list[str]) -> str:
-    """Markdown: per variant, mean (and each seed's) accuracy before/after RL and RL seconds."""
+    """Markdown: per variant, mean (and each seed's) accuracy before/after RL, RL seconds and
+    the load they ran under (wall time compares variants only on an otherwise idle machine)."""
     out = ["| variant | flags | seeds | avg@k before RL | avg@k after RL (per seed) | gain | "
-           "RL wall s (per seed) |", "|---|---|---|---|---|---|---|"]
+           "RL wall s (per seed) | load average at the end (per seed) |",
+           "|---|---|---|---|---|---|---|---|"]
     for name in names:
         r = sorted((x for x in rows if x["variant"] == name), key=lambda x: x["seed"])
         if not r:
@@ -73,10 +75,12 @@ def _table(rows: list[dict], names: list[str]) -> str:
         before = statistics.mean(x["before"] for x in r)
         after = [x["accuracy"] for x in r]
         secs = [x["rl_seconds"] for x in r]
+        loads = [x["load"] for x in r]
         out.append(f"| {name} | `{' '.join(VARIANTS[name])}` | {len(r)} | {before:.3f} | "
                    f"{statistics.mean(after):.3f} ({', '.join(f'{a:.3f}' for a in after)}) | "
                    f"{statistics.mean(after) - before:+.3f} | {statistics.mean(secs):.0f} "
-                   f"({', '.join(f'{s:.0f}' for s in secs)}) |")
+                   f"({', '.join(f'{s:.0f}' for s in secs)}) | "
+                   f"{', '.join(f'{load:.1f}' for load in loads)} |")
     return "\n".join(out)
 
 
