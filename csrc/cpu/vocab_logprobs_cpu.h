@@ -117,6 +117,34 @@ KLEAR_INLINE bf16_t from_float<bf16_t>(float x) {  // round to nearest even, NaN
 // Elements per block of the row statistics (below).
 constexpr int64_t kBlock = 2048;
 
+// The running row statistics of both stats kernels (generic and AVX-512 BF16): m = max x so far,
+// d = sum exp(x - m), s = sum exp(x - m)(x - m), the sums in fp64.
+struct RunningStats {
+  float m = -INFINITY;
+  double d = 0.0, s = 0.0;
+
+  // Move to a block maximum `top` if it is larger: rescale d and s from the old max to it.
+  KLEAR_INLINE void raise_max(float top) {
+    if (!(top > m)) return;  // also keeps m when top is NaN
+    if (d > 0.0) {
+      const double sc = std::exp(static_cast<double>(m) - top);
+      s = sc * (s + d * (static_cast<double>(m) - top));
+      d *= sc;
+    }
+    m = top;
+  }
+
+  // out = {m, d, s, x[target] or 0}, the layout the loss and the backward read.
+  template <typename T>
+  KLEAR_INLINE void store(const T* row, int64_t valid, int64_t target, float inv_temp,
+                          float* out) const {
+    out[0] = m;
+    out[1] = static_cast<float>(d);
+    out[2] = static_cast<float>(s);
+    out[3] = (target >= 0 && target < valid) ? to_float(row[target]) * inv_temp : 0.0f;
+  }
+};
+
 #if KLEAR_X86_DISPATCH
 // bf16 rows on AVX-512: intrinsics (the generic bodies below stay for the other types and ISAs).
 // 32 bf16 are loaded as 16 dwords: lane i holds elements 2i (low half) and 2i + 1 (high half),
@@ -186,8 +214,7 @@ KLEAR_AVX512 KLEAR_INLINE double sum_lanes(__m512 v) {   // fixed order, in fp64
 // (each lane sums kBlock / 32 terms per accumulator in fp32, blocks add up in fp64).
 KLEAR_AVX512 inline void row_stats_bf16(const bf16_t* row, int64_t valid, int64_t target,
                                         float inv_temp, float* out) {
-  float m = -INFINITY;
-  double d = 0.0, s = 0.0;
+  RunningStats st;
   const __m512 vt = _mm512_set1_ps(inv_temp);
   for (int64_t begin = 0; begin < valid; begin += kBlock) {
     const bf16_t* block = row + begin;
@@ -199,29 +226,19 @@ KLEAR_AVX512 inline void row_stats_bf16(const bf16_t* row, int64_t valid, int64_
       top1 = _mm512_max_ps(top1, odd(v));
     }
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1)) * inv_temp;
-    if (top > m) {
-      if (d > 0.0) {
-        const double sc = std::exp(static_cast<double>(m) - top);
-        s = sc * (s + d * (static_cast<double>(m) - top));
-        d *= sc;
-      }
-      m = top;
-    }
-    if (m == -INFINITY) continue;  // nothing but -inf logits so far
-    const __m512 vm = _mm512_set1_ps(m);
+    st.raise_max(top);
+    if (st.m == -INFINITY) continue;  // nothing but -inf logits so far
+    const __m512 vm = _mm512_set1_ps(st.m);
     __m512 d0 = _mm512_setzero_ps(), d1 = d0, s0 = d0, s1 = d0;
     for (int64_t j = 0; j < n; j += 32) {
       const __m512i v = load32(block + j, n - j);
       stats_step(even(v), vt, vm, &d0, &s0);
       stats_step(odd(v), vt, vm, &d1, &s1);
     }
-    d += sum_lanes(_mm512_add_ps(d0, d1));
-    s += sum_lanes(_mm512_add_ps(s0, s1)) * static_cast<double>(kLn2);
+    st.d += sum_lanes(_mm512_add_ps(d0, d1));
+    st.s += sum_lanes(_mm512_add_ps(s0, s1)) * static_cast<double>(kLn2);
   }
-  out[0] = m;
-  out[1] = static_cast<float>(d);
-  out[2] = static_cast<float>(s);
-  out[3] = (target >= 0 && target < valid) ? to_float(row[target]) * inv_temp : 0.0f;
+  st.store(row, valid, target, inv_temp, out);
 }
 
 // Gradient of one vector (see row_backward_body): 2^y (a + b y) with y = x c + c0 = (x inv_temp -
@@ -284,8 +301,7 @@ KLEAR_AVX512_BF16 inline void row_backward_bf16(const bf16_t* row, bf16_t* grad,
 template <typename T>
 KLEAR_INLINE void row_stats_body(const T* row, int64_t valid, int64_t target, float inv_temp,
                                  float* out) {
-  float m = -INFINITY;
-  double d = 0.0, s = 0.0;
+  RunningStats st;
   for (int64_t begin = 0; begin < valid; begin += kBlock) {
     const T* block = row + begin;
     const int64_t n = valid - begin < kBlock ? valid - begin : kBlock;
@@ -296,30 +312,20 @@ KLEAR_INLINE void row_stats_body(const T* row, int64_t valid, int64_t target, fl
       top = x > top ? x : top;
     }
     top *= inv_temp;   // inv_temp > 0: the max of the scaled block
-    if (top > m) {
-      if (d > 0.0) {
-        const double sc = std::exp(static_cast<double>(m) - top);
-        s = sc * (s + d * (static_cast<double>(m) - top));
-        d *= sc;
-      }
-      m = top;
-    }
-    if (m == -INFINITY) continue;  // nothing but -inf logits so far
+    st.raise_max(top);
+    if (st.m == -INFINITY) continue;  // nothing but -inf logits so far
     float bd = 0.0f, bs = 0.0f;
 #pragma omp simd reduction(+ : bd, bs)
     for (int64_t j = 0; j < n; ++j) {
-      const float z = to_float(block[j]) * inv_temp - m;
+      const float z = to_float(block[j]) * inv_temp - st.m;
       const float e = exp_nonpos<false>(z);     // ~1e-38 for -inf logits
       bd += e;
       bs += e * (z < -87.33f ? -87.33f : z);    // keeps 0 * z finite for -inf logits
     }
-    d += bd;
-    s += bs;
+    st.d += bd;
+    st.s += bs;
   }
-  out[0] = m;
-  out[1] = static_cast<float>(d);
-  out[2] = static_cast<float>(s);
-  out[3] = (target >= 0 && target < valid) ? to_float(row[target]) * inv_temp : 0.0f;
+  st.store(row, valid, target, inv_temp, out);
 }
 
 // d/dx_j of (g_logp * logp + g_ent * H) for one row, times inv_temp (x = logits * inv_temp):
