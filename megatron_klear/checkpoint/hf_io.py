@@ -38,7 +38,7 @@ import torch.distributed as dist
 __all__ = ["ConversionError", "SafetensorsReader", "ShardPlan", "ShardWriter", "plan_shards",
            "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir",
            "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype", "FileMaps", "element_runs",
-           "byte_slices", "copy_range"]
+           "byte_slices", "copy_range", "write_at"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 DTYPE_CODES: dict[str, torch.dtype] = {
@@ -220,17 +220,15 @@ class FileMaps:
     def view(self, path: Path, offset: int, dtype: torch.dtype,
              shape: tuple[int, ...]) -> torch.Tensor:
         """The bytes at ``offset`` of ``path`` as a tensor of ``dtype`` and ``shape``."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        if numel == 0:
+        nbytes = _nbytes(dtype, shape)
+        if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         m = self._map(Path(path))
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if offset + numel * itemsize > len(m):
+        if offset + nbytes > len(m):
             raise ConversionError(f"{path}: truncated (a tensor ends at byte "
-                                  f"{offset + numel * itemsize}, the file at {len(m)})")
-        return torch.frombuffer(m, dtype=dtype, count=numel, offset=offset).view(shape)
+                                  f"{offset + nbytes}, the file at {len(m)})")
+        return torch.frombuffer(m, dtype=dtype, count=nbytes // dtype.itemsize,
+                                offset=offset).view(shape)
 
     def release(self) -> None:
         """Drop every mapped page from this process (see the class docstring)."""
@@ -255,6 +253,15 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int
     except OSError:
         pass
     return done
+
+
+def write_at(fd: int, pos: int, buf: memoryview, maps: FileMaps | None = None) -> None:
+    """Write the bytes ``buf`` at ``pos`` of ``fd``; when they are a view of one of ``maps``'
+    files the kernel copies them file to file (:func:`copy_range`), the rest is written."""
+    where = maps.locate(buf) if maps is not None else None
+    done = copy_range(*where, fd, pos, len(buf)) if where is not None else 0
+    while done < len(buf):
+        done += os.pwrite(fd, buf[done:done + _MAX_IO], pos + done)
 
 
 def element_runs(view: torch.Tensor) -> list[tuple[int, int]]:
@@ -392,10 +399,7 @@ class ShardWriter:
                              f"{sum(len(b) for b in bufs)}")
         pos = self._base + offset
         for b in bufs:
-            where = maps.locate(b) if maps is not None else None
-            done = copy_range(*where, self._fd, pos, len(b)) if where is not None else 0
-            while done < len(b):
-                done += os.pwrite(self._fd, b[done:done + _MAX_IO], pos + done)
+            write_at(self._fd, pos, b, maps)
             pos += len(b)
         self._pending.discard(name)
 

@@ -40,7 +40,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
 
 from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge
-from megatron_klear.checkpoint.hf_io import FileMaps, copy_range
+from megatron_klear.checkpoint.hf_io import FileMaps, write_at
 from megatron_klear.models import qwen3
 
 __all__ = ["Chunk", "ParamSlot", "meta_model", "param_slots", "StreamingSaveStrategy",
@@ -288,17 +288,14 @@ class _CopyingStream:
         self._f, self._maps = f, maps
 
     def write(self, data) -> int:  # noqa: D102
-        where = self._maps.locate(data) if len(memoryview(data)) >= self._MIN else None
-        if where is None:
-            return self._f.write(data)
-        nbytes = memoryview(data).nbytes
+        buf = memoryview(data).cast("B")
+        if buf.nbytes < self._MIN:
+            return self._f.write(buf)
         self._f.flush()
         pos = self._f.tell()
-        done = copy_range(*where, self._f.fileno(), pos, nbytes)
-        self._f.seek(pos + done)
-        if done < nbytes:
-            self._f.write(memoryview(data).cast("B")[done:])
-        return nbytes
+        write_at(self._f.fileno(), pos, buf, self._maps)
+        self._f.seek(pos + buf.nbytes)
+        return buf.nbytes
 
     def __getattr__(self, name: str):
         return getattr(self._f, name)
