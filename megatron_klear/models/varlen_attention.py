@@ -5,8 +5,8 @@ could serve a pack is a dense ``[b, 1, s, s]`` block-diagonal mask, whose size (
 matrix) grows with the square of the whole pack. :class:`VarlenCoreAttention` has the same
 constructor and ``forward`` as ``DotProductAttention``; for a ``thd`` pack it attends causally
 within each sequence of ``cu_seqlens`` only. Sequences of similar length are gathered into
-small padded groups (one scaled-dot-product call per group), so memory is linear in the pack
-length apart from each sequence's own ``len x len`` scores, and never ``T x T``.
+small right-padded groups (one causal scaled-dot-product call per group, no mask), so memory
+is linear in the pack length apart from each sequence's own ``len x len`` scores, never ``T x T``.
 
 Without ``packed_seq_params`` it is megatron's ``DotProductAttention`` unchanged. On GPU the
 Transformer Engine spec serves packs with TE's own THD attention instead.
