@@ -76,7 +76,7 @@ def test_varlen_attention_matches_dense_block_diagonal_reference(max_scores, mon
     assert max(float((a - b).abs().max()) for a, b in zip(grads, want)) < 1e-5
     if max_scores == 100:
         assert len(va.length_groups(lens, heads)) == len(lens)  # the budget split every group
-    else:  # equal lengths share the causal kernel; 7 and 6 share a padded, masked group
+    else:  # one group per length band: the two 12s, then 7 and 6 (right-padded), then singles
         assert va.length_groups(lens, heads) == [[2, 5], [0, 4], [3], [6], [1]]
 
 

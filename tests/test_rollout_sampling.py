@@ -83,6 +83,29 @@ def test_seeded_draws_depend_on_seed_and_position_only():
     torch.testing.assert_close(hist, torch.full((10,), 0.1), atol=0.01, rtol=0)
 
 
+def _fmix32_spec(h: int) -> int:
+    """MurmurHash3's fmix32 on Python ints, written from the reference (the spec)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_seeded_draws_are_the_documented_hash():
+    """The stream itself is fixed (a seeded rollout replays across versions and servers): each
+    draw equals the (seed, position) hash computed on Python ints, incl. seeds using all 63
+    bits and positions past 2**32 (only their low 32 bits count)."""
+    seeds = [0, 1, 123, 2**32 + 7, 2**40 + 5, 2**63 - 1]
+    positions = [0, 1, 10, 2**31, 2**32 + 3, 987654321]
+    got = seeded_uniforms(torch.tensor(seeds), torch.tensor(positions)).tolist()
+    for seed, pos, u in zip(seeds, positions, got):
+        key = _fmix32_spec(_fmix32_spec(seed & 0xFFFFFFFF) ^ (seed >> 32))
+        h1 = _fmix32_spec(key ^ _fmix32_spec(pos & 0xFFFFFFFF))
+        h2 = _fmix32_spec(h1 ^ 0x9E3779B9)
+        assert u == ((h1 << 21) + (h2 >> 11)) / 2.0**53, (seed, pos)
+
+
 def test_earliest_stop_string_wins():
     assert find_stop_string("abc STOP def END", ["END", "STOP"]) == (4, "STOP")
     assert find_stop_string("abc", ["x"]) is None

@@ -5,8 +5,8 @@ could serve a pack is a dense ``[b, 1, s, s]`` block-diagonal mask, whose size (
 matrix) grows with the square of the whole pack. :class:`VarlenCoreAttention` has the same
 constructor and ``forward`` as ``DotProductAttention``; for a ``thd`` pack it attends causally
 within each sequence of ``cu_seqlens`` only. Sequences of similar length are gathered into
-small padded groups (one scaled-dot-product call per group), so memory is linear in the pack
-length apart from each sequence's own ``len x len`` scores, and never ``T x T``.
+small right-padded groups (one causal scaled-dot-product call per group, no mask), so memory
+is linear in the pack length apart from each sequence's own ``len x len`` scores, never ``T x T``.
 
 Without ``packed_seq_params`` it is megatron's ``DotProductAttention`` unchanged. On GPU the
 Transformer Engine spec serves packs with TE's own THD attention instead.
@@ -71,13 +71,11 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
         valid = steps[None, :] < lens[:, None]                       # [g, L]
         idx = torch.where(valid, first[:, None] + steps[None, :], first[:, None])
         q, k, v = (x[idx].transpose(1, 2) for x in (query, key, value))  # [g, heads, L, d]
-        if bool(valid.all()):  # equal lengths: the plain causal kernel, no mask at all
-            mask, causal = None, True
-        else:  # causal, and keys past a member's end are padding (never the last query's)
-            mask = torch.ones(top, top, dtype=torch.bool).tril() & valid[:, None, None, :]
-            causal = False
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                           is_causal=causal, scale=scale, enable_gqa=gqa)
+        # the causal kernel, no mask: a member's padding follows its last token, so a real
+        # query (before it) never sees a padding key; padding queries are dropped below, and
+        # with zero probability and zero output gradient they pass no gradient either
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                           scale=scale, enable_gqa=gqa)
         outs.append(o.transpose(1, 2)[valid])                        # [tokens, heads, d]
         where.append(idx[valid])
     order = torch.empty(total, dtype=torch.long)
