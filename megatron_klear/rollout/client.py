@@ -12,9 +12,9 @@ both speak the same API. Guarantees:
   own n=1 prompt of a batch request with its own seed (:func:`sample_seed`). SGLang gives
   the n copies of one request the same ``sampling_seed``, and its seeded sampler depends
   only on (seed, position, token) (``sglang/srt/layers/sampler.py``,
-  ``multinomial_with_seed``), so n copies of one seeded request come out identical. SGLang honours the seed only when the server runs with
-  ``--enable-deterministic-inference``; without it the samples are distinct but not
-  reproducible (docs/rollout.md);
+  ``multinomial_with_seed``), so n copies of one seeded request come out identical. SGLang
+  honours the seed only when the server runs with ``--enable-deterministic-inference``;
+  without it the samples are distinct but not reproducible (docs/rollout.md);
 * a bad request (HTTP 4xx) is not retried: it is a bug, reported with the server's message;
 * at most ``max_concurrency`` requests are in flight.
 """
