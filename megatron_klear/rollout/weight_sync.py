@@ -194,6 +194,7 @@ class WeightSync:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if self.backend == "nccl" else torch.device("cpu")
         self.group: UpdateGroup | None = None
+        self._client: RolloutClient | None = None
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
         self._http = concurrent.futures.ThreadPoolExecutor(1)  # the request in flight
         # packs bucket k+1 while bucket k is on the wire, at the lowest priority
@@ -209,9 +210,12 @@ class WeightSync:
 
     @property
     def client(self) -> RolloutClient:
-        """A client of the current members (no retries: a weight request is not repeatable)."""
-        return RolloutClient(self.members or self.urls, request_timeout_s=self.timeout_s,
-                             max_retries=0)
+        """The client of the current members (no retries: a weight request is not
+        repeatable); one object while the members stay, so a sync keeps its connections."""
+        urls = self.members or self.urls
+        if self._client is None or self._client.urls != urls:
+            self._client = RolloutClient(urls, request_timeout_s=self.timeout_s, max_retries=0)
+        return self._client
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -320,21 +324,22 @@ class WeightSync:
         def send() -> None:
             sent[0] = self._send_stage(weight_version)
 
-        try:
-            error = None
-            if self.rank == 0:
-                try:
-                    self._admin_before()
-                except Exception as exc:  # noqa: BLE001 - re-raised on every rank
-                    error = exc
-            _agree(error)
-            self._per_stage(send, whole_stage=True)
-        except WeightSyncError:
-            self._per_stage(self._leave)  # the group may be mid-broadcast: re-form next time
-            raise
-        finally:
-            if self.rank == 0:
-                self._admin_after()
+        with self.client.keep_alive():  # one connection per server for the whole sync
+            try:
+                error = None
+                if self.rank == 0:
+                    try:
+                        self._admin_before()
+                    except Exception as exc:  # noqa: BLE001 - re-raised on every rank
+                        error = exc
+                _agree(error)
+                self._per_stage(send, whole_stage=True)
+            except WeightSyncError:
+                self._per_stage(self._leave)  # the group may be mid-broadcast: re-form later
+                raise
+            finally:
+                if self.rank == 0:
+                    self._admin_after()
         here = platform.device()  # the default group's device (NCCL needs CUDA tensors)
         total = torch.tensor([float(sent[0])], dtype=torch.float64, device=here)
         dist.all_reduce(total)
@@ -359,11 +364,8 @@ class WeightSync:
         when another fails (a server left paused would block every later /generate)."""
         problems = []
         for path in ("/end_weight_update", "/continue_generation"):
-            for url in self.members:
-                try:
-                    RolloutClient([url], request_timeout_s=self.timeout_s).post_all(path, {})
-                except RolloutError as exc:
-                    problems.append(str(exc))
+            replies = self.client.post_all(path, {}, return_errors=True)
+            problems += [str(r) for r in replies.values() if isinstance(r, Exception)]
         if problems:
             log.warning("after weight sync: %s", "; ".join(problems))
 
