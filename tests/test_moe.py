@@ -194,6 +194,8 @@ def test_bad_moe_configs_name_the_field_or_flag(hf_dirs):
                                     if k != "num_experts"})
     with pytest.raises(ConfigError, match="num_experts_per_tok=5"):
         qwen3.qwen3_config_from_hf(tiny_qwen3_moe_config(num_experts_per_tok=5))
+    with pytest.raises(ConfigError, match="num_experts=0: a qwen3_moe model needs"):
+        qwen3.qwen3_config_from_hf(tiny_qwen3_moe_config(num_experts=0))
     arch = _arch(hf_dirs["main"])
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 3"):
         qwen3.moe_config_kwargs(arch, ep=3)

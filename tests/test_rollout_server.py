@@ -260,6 +260,54 @@ def test_generate_inside_running_event_loop(client):
     assert len(asyncio.run(caller())[0][0].output_ids) >= 1
 
 
+def _peer_port_server() -> tuple[str, callable]:
+    """A real aiohttp server (own thread) answering GET /port with the client's TCP port, so
+    a test can tell a reused connection from a new one; returns (url, stop)."""
+    from aiohttp import web
+
+    async def port(request: web.Request) -> web.Response:
+        return web.json_response(request.transport.get_extra_info("peername")[1])
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_get("/port", port)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+    return url, stop
+
+
+def test_keep_alive_reuses_one_connection_and_return_errors_tries_every_server():
+    url, stop = _peer_port_server()
+    try:
+        client = RolloutClient([url])
+        outside = {client.get_all("/port")[url] for _ in range(3)}
+        assert len(outside) == 3  # a new connection per call
+        with client.keep_alive():
+            inside = {client.get_all("/port")[url] for _ in range(3)}
+        assert len(inside) == 1
+        dead = "http://127.0.0.1:9"  # discard port: connection refused
+        both = RolloutClient([url, dead], max_retries=0)
+        with both.keep_alive():
+            replies = both.post_all("/port", {}, return_errors=True)
+        assert isinstance(replies[dead], Exception) and dead in str(replies[dead])
+        assert isinstance(replies[url], Exception) and "405" in str(replies[url])
+        with pytest.raises(Exception, match="127.0.0.1:9"):
+            both.get_all("/port")
+    finally:
+        stop()
+
+
 @pytest.mark.parametrize("retract", [True, False], ids=["retract", "in_place"])
 def test_retract_pause_reprefills_with_the_new_weights(model_dir, reference, tmp_path, retract):
     """A weight update while decoding is paused after 3 tokens: with a ``retract`` pause the

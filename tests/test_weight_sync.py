@@ -303,3 +303,21 @@ def test_embedded_server_receives_flat_buckets_without_copies(model_dir):
             assert torch.all(old[:4].view(torch.float32) == 1.0)
     assert storage[0] != storage[1] and storage[2] == storage[0]
     assert len(gen._recv_pool[names[0]]) == 2
+
+
+def test_packer_thread_runs_at_lowest_cpu_priority():
+    """The pack of the next bucket must yield the CPU to the transfer (the bench's 0.90 rests
+    on it); the calling thread and other threads keep their priority."""
+    import concurrent.futures
+    import os
+    import threading
+
+    from megatron_klear.rollout.weight_sync import lowest_cpu_priority
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = niceness()
+    with concurrent.futures.ThreadPoolExecutor(1, initializer=lowest_cpu_priority) as packer:
+        assert packer.submit(niceness).result() == 19
+    assert niceness() == before

@@ -147,6 +147,9 @@ def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"config.json: qwen3_moe config missing field(s) {missing}")
     topk, step = cfg["num_experts_per_tok"], cfg.get("decoder_sparse_step", 1)
+    if experts < 1:
+        raise ConfigError(f"config.json: num_experts={experts}: a qwen3_moe model needs at "
+                          "least one expert (a dense model is model_type 'qwen3')")
     if not 1 <= topk <= experts:
         raise ConfigError(f"config.json: num_experts_per_tok={topk} must be in "
                           f"[1, num_experts={experts}]")
@@ -154,7 +157,7 @@ def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json: decoder_sparse_step={step} must be >= 1")
     dense = set(cfg.get("mlp_only_layers") or ())
     moe_layers = tuple(i for i in range(cfg["num_hidden_layers"])
-                       if i not in dense and experts > 0 and (i + 1) % step == 0)
+                       if i not in dense and (i + 1) % step == 0)
     return dict(num_experts=experts, num_experts_per_tok=topk,
                 moe_ffn_hidden_size=cfg["moe_intermediate_size"],
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=moe_layers,

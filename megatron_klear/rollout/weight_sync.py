@@ -17,9 +17,10 @@ an offset aligned to its dtype (SGLang's ``FlattenedTensorBucket`` refuses other
 ``load_format=None`` broadcasts each tensor as is. The buckets (membership, offsets, request
 bodies) are planned by the first sync and reused; the first bucket is small so the wire starts
 early, and a bucket of one contiguous tensor is sent from its own memory. Pipelining: bucket
-k+1 is packed while bucket k's broadcast (``async_op``) and request are in flight; request k+1
-is POSTed once every server answered bucket k (one request in flight: concurrent requests may
-reach a server in either order). Only data-parallel replica 0 exports.
+k+1 is packed while bucket k's broadcast (``async_op``) and request are in flight, on a thread
+of the lowest CPU priority so that the pack yields to the transfer; request k+1 is POSTed once
+every server answered bucket k (one request in flight: concurrent requests may reach a server
+in either order). Only data-parallel replica 0 exports.
 
 Group formation (sglang/srt/model_executor/model_runner_components/weight_updater.py): SGLang
 server i joins as ``rank_offset_i + tp_rank``; its TP size is read from ``GET /server_info``,
@@ -42,6 +43,8 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -56,7 +59,7 @@ from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, open_u
                                                  routable_address)
 
 __all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "aligned_order", "plan_bucket",
-           "Bucket", "TensorSpec", "rank_layout",
+           "Bucket", "TensorSpec", "rank_layout", "lowest_cpu_priority",
            "trainer_sequence_logprobs", "PROBE_METRIC"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
@@ -191,8 +194,11 @@ class WeightSync:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if self.backend == "nccl" else torch.device("cpu")
         self.group: UpdateGroup | None = None
+        self._client: RolloutClient | None = None
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
         self._http = concurrent.futures.ThreadPoolExecutor(1)  # the request in flight
+        # packs bucket k+1 while bucket k is on the wire, at the lowest priority
+        self._packer = concurrent.futures.ThreadPoolExecutor(1, initializer=lowest_cpu_priority)
         from megatron_klear.checkpoint.hf_bridge import export_entries, export_gathers
 
         self._entries = export_entries(model_chunks, arch)  # the RULES walk, once per run
@@ -204,9 +210,12 @@ class WeightSync:
 
     @property
     def client(self) -> RolloutClient:
-        """A client of the current members (no retries: a weight request is not repeatable)."""
-        return RolloutClient(self.members or self.urls, request_timeout_s=self.timeout_s,
-                             max_retries=0)
+        """The client of the current members (no retries: a weight request is not
+        repeatable); one object while the members stay, so a sync keeps its connections."""
+        urls = self.members or self.urls
+        if self._client is None or self._client.urls != urls:
+            self._client = RolloutClient(urls, request_timeout_s=self.timeout_s, max_retries=0)
+        return self._client
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -223,6 +232,7 @@ class WeightSync:
         self._per_stage(self._leave)
         self.members = []
         self._http.shutdown()
+        self._packer.shutdown()
 
     def _live_urls(self) -> list[str]:
         """The servers that answer /health, as rank 0 sees them (collective)."""
@@ -314,21 +324,22 @@ class WeightSync:
         def send() -> None:
             sent[0] = self._send_stage(weight_version)
 
-        try:
-            error = None
-            if self.rank == 0:
-                try:
-                    self._admin_before()
-                except Exception as exc:  # noqa: BLE001 - re-raised on every rank
-                    error = exc
-            _agree(error)
-            self._per_stage(send, whole_stage=True)
-        except WeightSyncError:
-            self._per_stage(self._leave)  # the group may be mid-broadcast: re-form next time
-            raise
-        finally:
-            if self.rank == 0:
-                self._admin_after()
+        with self.client.keep_alive():  # one connection per server for the whole sync
+            try:
+                error = None
+                if self.rank == 0:
+                    try:
+                        self._admin_before()
+                    except Exception as exc:  # noqa: BLE001 - re-raised on every rank
+                        error = exc
+                _agree(error)
+                self._per_stage(send, whole_stage=True)
+            except WeightSyncError:
+                self._per_stage(self._leave)  # the group may be mid-broadcast: re-form later
+                raise
+            finally:
+                if self.rank == 0:
+                    self._admin_after()
         here = platform.device()  # the default group's device (NCCL needs CUDA tensors)
         total = torch.tensor([float(sent[0])], dtype=torch.float64, device=here)
         dist.all_reduce(total)
@@ -353,11 +364,8 @@ class WeightSync:
         when another fails (a server left paused would block every later /generate)."""
         problems = []
         for path in ("/end_weight_update", "/continue_generation"):
-            for url in self.members:
-                try:
-                    RolloutClient([url], request_timeout_s=self.timeout_s).post_all(path, {})
-                except RolloutError as exc:
-                    problems.append(str(exc))
+            replies = self.client.post_all(path, {}, return_errors=True)
+            problems += [str(r) for r in replies.values() if isinstance(r, Exception)]
         if problems:
             log.warning("after weight sync: %s", "; ".join(problems))
 
@@ -392,7 +400,7 @@ class WeightSync:
         sent, inflight = 0, None
         try:
             for i, (bucket, views) in enumerate(self._buckets(items)):
-                tensors = self._pack(bucket, views, slot=i % 2)
+                tensors = self._packer.submit(self._pack, bucket, views, i % 2).result()
                 if inflight is not None:
                     sent += self._finish(inflight)
                 inflight = self._start(bucket, tensors, weight_version)
@@ -543,6 +551,15 @@ def aligned_order(items: list, key: Callable[[Any], int] = lambda nt: nt[1].elem
     the flattened buffer every tensor then starts at a multiple of its element size (sizes
     are powers of two)."""
     return sorted(items, key=lambda item: -key(item))
+
+
+def lowest_cpu_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (niceness 19; on Linux niceness is
+    per thread). The packer runs so: the next bucket's pack then takes only the CPU that the
+    current bucket's transfer threads (gloo's sender, a local server's receiver) leave idle,
+    instead of slowing the wire. Raising one's own niceness needs no privilege."""
+    with contextlib.suppress(OSError):  # a platform without per-thread niceness: no change
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _agree(error: BaseException | None) -> None:
