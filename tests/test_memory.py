@@ -210,6 +210,24 @@ def test_model_state_and_features_shrink_the_plan():
     assert p.total / GiB > 20  # sanity: 2B params per GPU x 18 bytes
 
 
+def test_rl_token_budget_plans_its_tokens():
+    """An RL micro-batch under --max-tokens-per-gpu 4S holds the activations and logits of
+    four rows of S tokens (the attention scores of a pack are per sequence, at most S), not
+    of one row; without the budget it is --micro-batch-size rows."""
+    from megatron_klear.train.rl import RLConfig
+    from megatron_klear.train.rl import memory_workload as rl_workload
+
+    def plan(**flags):
+        cfg = RLConfig(rollout_max_prompt_len=96, rollout_max_response_len=160,
+                       global_batch_size=8, **flags)
+        return plan_memory(ARCH, cfg, 1, rl_workload(cfg)).peak
+
+    one, four_rows, budget = plan(), plan(micro_batch_size=4), plan(max_tokens_per_gpu=4 * 256)
+    assert budget.activations == four_rows.activations > 3 * one.activations
+    assert budget.logits_loss == four_rows.logits_loss == 4 * one.logits_loss
+    assert budget.backward_working == four_rows.backward_working
+
+
 def test_flags_to_fit_edges():
     """[] when the plan fits; None (and a message naming TP/PP) when no flag is enough;
     CPU offload is only suggested together with the distributed optimizer."""

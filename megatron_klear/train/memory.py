@@ -51,12 +51,19 @@ class Workload:
     ``fused_loss``: the loss keeps O(1) numbers per token and writes the logits' gradient in
     place (``vocab_parallel_policy_loss``/``vocab_parallel_logprobs``); False: fp32 copies
     of the vocab-parallel logits (``token_loss.token_nll``). ``attention_mask``: each
-    micro-batch carries a boolean ``[b, 1, s, s]`` mask (packed SFT bins).
+    micro-batch carries a boolean ``[b, 1, s, s]`` mask (packed SFT bins). ``tokens``: the
+    tokens of one micro-batch when it is a pack under a token budget (``--max-tokens-per-gpu``,
+    sequences of at most ``seq_length``); None: ``seq_length x --micro-batch-size``.
     """
 
     seq_length: int
     fused_loss: bool = True
     attention_mask: bool = False
+    tokens: int | None = None
+
+    def microbatch_tokens(self, cfg: TrainConfig) -> int:
+        """Tokens of one micro-batch (before context parallelism slices them)."""
+        return self.tokens or self.seq_length * cfg.micro_batch_size
 
 
 @dataclass(frozen=True)
@@ -236,7 +243,7 @@ def _activation_bytes(arch, cfg: TrainConfig, w: Workload, layers: int, in_fligh
     t = cfg.tensor_model_parallel_size
     sp = t if cfg.sequence_parallel else 1
     e = _act_bytes(cfg)
-    tokens = w.seq_length * cfg.micro_batch_size / cfg.context_parallel_size  # CP: a slice
+    tokens = w.microbatch_tokens(cfg) / cfg.context_parallel_size  # CP: a slice
     scores = tokens * 4 * arch.num_attention_heads * w.seq_length / t \
         if cfg.transformer_impl == "local" else 0.0
 
@@ -284,8 +291,7 @@ def _logits_loss_bytes(arch, cfg: TrainConfig, w: Workload) -> int:
     per_entry = e
     if not w.fused_loss:
         per_entry += (4 if e != 4 else 0) + (4 if vpad != arch.vocab_size else 0)
-    return int(w.seq_length * cfg.micro_batch_size / cfg.context_parallel_size * vpad / t *
-               per_entry)
+    return int(w.microbatch_tokens(cfg) / cfg.context_parallel_size * vpad / t * per_entry)
 
 
 def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | None = None

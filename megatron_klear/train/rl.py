@@ -503,10 +503,12 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
 
 
 def memory_workload(cfg: RLConfig) -> Workload:
-    """What the RL trainer feeds the model: whole prompt + response rows, unpacked, under the
-    fused policy loss (the dry run's memory plan)."""
+    """What the RL trainer feeds the model (the dry run's memory plan): THD packs of
+    ``--micro-batch-size`` prompt + response rows, or of ``--max-tokens-per-gpu`` tokens,
+    under the fused policy loss unless --loss-backend torch."""
     return Workload(cfg.rollout_max_prompt_len + cfg.rollout_max_response_len,
-                    fused_loss=cfg.loss_backend != "torch", attention_mask=False)
+                    fused_loss=cfg.loss_backend != "torch", attention_mask=False,
+                    tokens=cfg.max_tokens_per_gpu)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
