@@ -21,6 +21,7 @@ Every directory is written under ``.<name>.tmp`` next to the target and renamed 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -29,7 +30,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ import torch.distributed as dist
 __all__ = ["ConversionError", "SafetensorsReader", "ShardPlan", "ShardWriter", "plan_shards",
            "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir",
            "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype", "FileMaps", "element_runs",
-           "byte_slices", "copy_range", "write_at"]
+           "byte_slices", "copy_range", "write_at", "start_writeback"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 DTYPE_CODES: dict[str, torch.dtype] = {
@@ -257,11 +258,39 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int
 
 def write_at(fd: int, pos: int, buf: memoryview, maps: FileMaps | None = None) -> None:
     """Write the bytes ``buf`` at ``pos`` of ``fd``; when they are a view of one of ``maps``'
-    files the kernel copies them file to file (:func:`copy_range`), the rest is written."""
+    files the kernel copies them file to file (:func:`copy_range`), the rest is written.
+    A large write then starts the file's write-back (:func:`start_writeback`)."""
     where = maps.locate(buf) if maps is not None else None
     done = copy_range(*where, fd, pos, len(buf)) if where is not None else 0
     while done < len(buf):
         done += os.pwrite(fd, buf[done:done + _MAX_IO], pos + done)
+    if len(buf) >= _WRITEBACK_MIN:
+        start_writeback(fd)
+
+
+_WRITEBACK_MIN = 1 << 20  # smaller writes are left to the next large one or the fsync
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux; None elsewhere: write-back then waits for fsync)."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int) -> None:
+    """Have the kernel start writing ``fd``'s dirty pages to disk now, without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)`` over the whole file). The writers call it
+    after each large write, so the disk writes while the next tensor is produced and the
+    closing fsync finds the data written: with the system's default dirty-page limits
+    (gigabytes) nothing is written back before the fsync otherwise, and a conversion then
+    waited ~0.4 s per GB in it. Durability still comes from the fsync."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def element_runs(view: torch.Tensor) -> list[tuple[int, int]]:
