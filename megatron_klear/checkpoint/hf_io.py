@@ -39,7 +39,8 @@ import torch.distributed as dist
 __all__ = ["ConversionError", "SafetensorsReader", "ShardPlan", "ShardWriter", "plan_shards",
            "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir",
            "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype", "FileMaps", "element_runs",
-           "byte_slices", "copy_range", "write_at", "start_writeback"]
+           "byte_slices", "copy_range", "write_at", "start_writeback", "bytes_of",
+           "buffer_address"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 DTYPE_CODES: dict[str, torch.dtype] = {
@@ -100,12 +101,18 @@ def _read_header(path: Path) -> dict:
             raise ConversionError(f"{path}: corrupt safetensors header ({exc})") from exc
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     """A memoryview over a contiguous tensor's bytes (unlike ``.numpy()`` this leaves its
     storage resizable, so a streaming writer can free it once written)."""
     if t.nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def buffer_address(buf) -> int:
+    """The memory address of a (non-empty, contiguous) buffer's first byte, read-only
+    buffers included."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
@@ -163,7 +170,7 @@ class SafetensorsReader:
         out = torch.empty(e.nbytes, dtype=torch.uint8)
         fd = os.open(e.file, os.O_RDONLY)
         try:
-            _pread_into(fd, _bytes_of(out), e.offset)
+            _pread_into(fd, bytes_of(out), e.offset)
         finally:
             os.close(fd)
         return out.view(e.dtype).reshape(e.shape)
@@ -212,7 +219,7 @@ class FileMaps:
         have the kernel copy them file to file; None for other memory."""
         if not len(buf):
             return None
-        address = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        address = buffer_address(buf)
         for start, length, fd in self._spans:
             if start <= address and address + len(buf) <= start + length:
                 return fd, address - start
@@ -317,7 +324,7 @@ def element_runs(view: torch.Tensor) -> list[tuple[int, int]]:
 def byte_slices(parts: list[torch.Tensor], runs: list[tuple[int, int]]) -> list[memoryview]:
     """The bytes of element ``runs`` of the concatenation of contiguous ``parts`` (one
     dtype), as memoryviews of the parts' memory: nothing is copied."""
-    bufs = [_bytes_of(p) for p in parts]
+    bufs = [bytes_of(p) for p in parts]
     itemsize = parts[0].element_size()
     ends, end = [], 0
     for b in bufs:
@@ -415,7 +422,7 @@ class ShardWriter:
             raise ValueError(f"{name}: planned {dtype} {shape}, got {tensor.dtype} "
                              f"{tuple(tensor.shape)}")
         data = tensor.contiguous()  # held while its bytes are written (a view holds nothing)
-        self.write_bytes(name, [_bytes_of(data)])
+        self.write_bytes(name, [bytes_of(data)])
 
     def write_bytes(self, name: str, bufs: list[memoryview],
                     maps: FileMaps | None = None) -> None:
