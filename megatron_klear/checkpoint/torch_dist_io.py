@@ -130,7 +130,7 @@ def balance(sizes: list[int], ranks: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- writing
-_ALIGN = 1 << 16  # a record's data lands at its source's file offset modulo this
+_ALIGN = 64  # a record's data starts at a multiple of this in its file
 
 
 def chunk_pieces(parts: list[torch.Tensor], c: Chunk, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -199,11 +199,9 @@ class _FrameCapture:
 
 
 class _RecordFile:
-    """One ``.distcp`` file of torch.save records at offsets of this writer's choosing: a
-    tensor's data is written from its pieces (:func:`~megatron_klear.checkpoint.hf_io.write_at`:
-    bytes of ``maps``' files are kernel copies) and lands at its source's file offset
-    modulo :data:`_ALIGN` (the kernel copies page-cache pages that line up ~1.5x faster
-    than others); the gaps before records stay holes."""
+    """One ``.distcp`` file of torch.save records, one after the other: a tensor's data is
+    written from its pieces (:func:`~megatron_klear.checkpoint.hf_io.write_at`: bytes of
+    ``maps``' files are kernel copies) and starts :data:`_ALIGN`-byte aligned."""
 
     def __init__(self, path: Path, maps: FileMaps | None) -> None:
         self.name = path.name
@@ -214,13 +212,10 @@ class _RecordFile:
         """Write a record of a tensor of ``shape`` whose data is the concatenation of the
         contiguous ``pieces``; return its (offset, length)."""
         head, tail = _record_frame(shape, pieces[0].dtype)
-        bufs = [bytes_of(p) for p in pieces]
-        where = self._maps.locate(bufs[0]) if self._maps is not None else None
-        target, modulus = (where[1], _ALIGN) if where is not None else (0, 64)
-        start = self._end + (target - self._end - len(head)) % modulus
+        start = self._end + (-self._end - len(head)) % _ALIGN
         pos = start + len(head)
         os.pwrite(self._fd, head, start)
-        for b in bufs:
+        for b in map(bytes_of, pieces):
             write_at(self._fd, pos, b, self._maps)
             pos += len(b)
         os.pwrite(self._fd, tail, pos)
