@@ -183,7 +183,8 @@ class _FrameCapture:
 
     def write(self, data) -> int:  # noqa: D102
         buf = memoryview(data).cast("B")
-        if len(self._parts) == 1 and buf.nbytes and (buffer_address(buf), buf.nbytes) == self._data:
+        is_data = buf.nbytes and (buffer_address(buf), buf.nbytes) == self._data
+        if len(self._parts) == 1 and is_data:
             self._parts.append(bytearray())
         else:
             self._parts[-1] += buf
@@ -326,9 +327,9 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         owner = dict(zip(chunks, balance([self._where[c][1].numel for c in chunks],
                                          dist.get_world_size())))
         for st in nested_values(sharded_state_dict):
-            index = (getattr(st, "key", None), tuple(getattr(st, "global_offset", ())))
-            if isinstance(st, ShardedTensor) and index in owner:
-                st.replica_id = 0 if owner[index] == dist.get_rank() else 1
+            if isinstance(st, ShardedTensor) and (st.key, tuple(st.global_offset)) in owner:
+                mine = owner[st.key, tuple(st.global_offset)] == dist.get_rank()
+                st.replica_id = 0 if mine else 1
 
     def _write_file(self, path: Path, items: list) -> list[_Written]:
         """Write ``items`` ((sharded key, ShardedTensor | ShardedObject)) as one file."""
@@ -529,11 +530,8 @@ def _record_layout(path, offset: int, length: int
             return None
     finally:
         os.close(fd)
-    contiguous, n = [], 1
-    for d in reversed(shape):
-        contiguous.insert(0, n)
-        n *= d
-    if start != 0 or n != numel or (n > 1 and list(stride) != contiguous):
+    n = math.prod(shape)
+    if start != 0 or n != numel or (n > 1 and tuple(stride) != _contiguous_strides(shape)):
         return None
     return data, dtype, tuple(shape)
 
