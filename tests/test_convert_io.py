@@ -4,6 +4,8 @@ parser behind ``TorchDistReader.read_parts``, and mapped reads with their page r
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -83,14 +85,14 @@ def test_write_bytes_copies_mapped_bytes_file_to_file(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     shard = hf_io.ShardWriter(out / plan.file, plan)
-    assert reader._maps.locate(hf_io._bytes_of(view)) is not None
-    assert reader._maps.locate(hf_io._bytes_of(t)) is None
+    assert reader._maps.locate(hf_io.bytes_of(view)) is not None
+    assert reader._maps.locate(hf_io.bytes_of(t)) is None
     shard.write_bytes("y", hf_io.byte_slices([view], hf_io.element_runs(view[16:48])),
                       reader._maps)
     z = t[0, :4].clone()
-    shard.write_bytes("z", [hf_io._bytes_of(z)], reader._maps)  # not mapped: pwrite
+    shard.write_bytes("z", [hf_io.bytes_of(z)], reader._maps)  # not mapped: pwrite
     with pytest.raises(ValueError, match="planned"):
-        shard.write_bytes("z", [hf_io._bytes_of(z[:3])])
+        shard.write_bytes("z", [hf_io.bytes_of(z[:3])])
     shard.close()
     back = load_file(out / plan.file)
     assert torch.equal(back["y"], t[16:48]) and torch.equal(back["z"], t[0, :4])
@@ -103,21 +105,54 @@ def _resident_kb() -> int:
     raise RuntimeError("no VmRSS")
 
 
-def test_torch_save_of_a_mapped_tensor_is_a_kernel_copy_that_loads_back(tmp_path, monkeypatch):
-    """HF -> Megatron's output stream: torch.save of a view of a mapped input file copies
-    its data file to file, and torch.load (as megatron's loader does) reads it back."""
+def test_records_copy_mapped_pieces_file_to_file_aligned_and_load_back(tmp_path, monkeypatch):
+    """HF -> Megatron's record writer: a tensor given as pieces (views of two mapped input
+    files, then memory) is one torch.save record whose mapped bytes are kernel copies,
+    whose data is aligned, and which torch.load (as megatron's loader does) and the
+    Megatron -> HF record parser read back."""
     from safetensors.torch import save_file
 
-    t = torch.randn(64, 512)
-    save_file({"x": t}, str(tmp_path / "in.safetensors"))
+    x, y = torch.randn(64, 512), torch.randn(32, 512)
+    save_file({"x": x}, str(tmp_path / "a.safetensors"))
+    save_file({"pad": torch.zeros(3), "y": y}, str(tmp_path / "b.safetensors"))
     reader = hf_io.SafetensorsReader(tmp_path)
     copies = []
     real = hf_io.copy_range
-    monkeypatch.setattr(hf_io, "copy_range",
-                        lambda *a: copies.append(a[-1]) or real(*a))
-    with open(tmp_path / "rec.pt", "wb") as f, torch_dist_io._no_crc32():
-        stream = torch_dist_io._CopyingStream(f, reader.maps)
-        torch.save({"a": reader.mapped("x"), "b": t[:2].clone()}, stream)
-    assert copies == [t.nbytes]  # the small tensor and the zip records were plain writes
-    back = torch.load(tmp_path / "rec.pt", weights_only=True)
-    assert torch.equal(back["a"], t) and torch.equal(back["b"], t[:2])
+    monkeypatch.setattr(hf_io, "copy_range", lambda *a: copies.append(a[-1]) or real(*a))
+    tail = torch.randn(2, 512)
+    out = torch_dist_io._RecordFile(tmp_path / "out.distcp", reader.maps)
+    first = out.tensor((1, 8, 512), [reader.mapped("x")[:8].reshape(-1)])
+    obj = out.bytes(b"an object record")
+    second = out.tensor((98, 512), [reader.mapped("y").reshape(-1),
+                                    reader.mapped("x").reshape(-1), tail.reshape(-1)])
+    out.close()
+    assert copies == [8 * 512 * 4, y.nbytes, x.nbytes]  # the in-memory piece: pwrite
+    data = (tmp_path / "out.distcp").read_bytes()
+    assert data[obj[0]:obj[0] + obj[1]] == b"an object record"
+    for (offset, length), want in ((first, x[:8][None]), (second, torch.cat([y, x, tail]))):
+        back = torch.load(io.BytesIO(data[offset:offset + length]), weights_only=True)
+        assert torch.equal(back, want)
+        start, dtype, shape = torch_dist_io._record_layout(tmp_path / "out.distcp", offset,
+                                                           length)
+        assert (dtype, shape) == (torch.float32, tuple(want.shape))
+        assert (offset + start) % torch_dist_io._ALIGN == 0
+
+
+def test_split_parts_are_views_of_the_inputs_that_concatenate_to_the_split():
+    """The parts HF -> Megatron writes from are views of the HF tensors (no copy) and
+    concatenate to the TP shard a pure-torch reference builds (q/k/v per query group,
+    zero-padded vocabulary)."""
+    q, k, v = torch.randn(64, 64), torch.randn(32, 64), torch.randn(32, 64)
+    emb = torch.randn(103, 64)
+    groups = 2
+    qkv = torch.cat([q.view(groups, -1, 64), k.view(groups, -1, 64), v.view(groups, -1, 64)],
+                    dim=1).reshape(-1, 64)
+    for tp in (1, 2):
+        padded = torch.cat([emb, emb.new_zeros(128 * tp - 103, 64)])
+        for kind, full, ref in (("qkv", [q, k, v], qkv), ("vocab", [emb], padded)):
+            for rank in range(tp):
+                parts = hf_bridge.split_parts_for_rank(kind, full, ARCH, tp, rank)
+                assert torch.equal(torch.cat(parts), ref.chunk(tp)[rank]), (kind, tp, rank)
+                inputs = {t.untyped_storage().data_ptr() for t in full}
+                assert sum(p.untyped_storage().data_ptr() in inputs for p in parts) >= \
+                    len(parts) - (kind == "vocab")

@@ -4,8 +4,8 @@ Both converters stream: no model is materialised. A meta-device GPTModel supplie
 megatron-core's checkpoint layout, :mod:`~megatron_klear.checkpoint.hf_bridge` the mapping,
 and tensors go from file to file one at a time (see ``docs/conversion.md``):
 
-* :func:`convert_hf_to_megatron` reads each HF tensor when torch.distributed.checkpoint
-  writes the Megatron parameter made from it, into iteration 0 of a ``torch_dist``
+* :func:`convert_hf_to_megatron` copies the HF tensors' bytes into the checkpoint records
+  of the Megatron parameters made from them, into iteration 0 of a ``torch_dist``
   training checkpoint (model only) that loads at any TP/PP layout; ``--load`` of a
   trainer starts from it.
 * :func:`convert_megatron_to_hf` plans the safetensors shards from config.json, then fills
@@ -162,11 +162,11 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     _init_conversion()
     model = torch_dist_io.meta_model(arch, params_dtype)
     slots = torch_dist_io.param_slots(model, arch)
-    with _progress(len(slots), "hf->megatron") as bar:
+    with _progress(sum(len(s.chunks) for s in slots), "hf->megatron") as bar:
         def build(slot: torch_dist_io.ParamSlot) -> list[torch.Tensor]:
-            full = [reader.mapped(n).to(params_dtype) for n in slot.hf]
             bar.update(1)
-            return hf_bridge.split_parts_for_rank(slot.rule.kind, full, arch, 1, 0)
+            return hf_bridge.split_parts_for_rank(slot.rule.kind,
+                                                  [reader.mapped(n) for n in slot.hf], arch, 1, 0)
 
         tmp = tmp_dir(out_dir)
         if _rank() == 0:

@@ -142,35 +142,39 @@ def split_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int
 
 def split_parts_for_rank(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int,
                          rank: int) -> list[torch.Tensor]:
-    """:func:`split_for_rank` as the tensors whose concatenation on dim 0 is the shard
-    (``gate_up``: [gate shard, up shard]; one tensor for other kinds). A streaming writer
-    that saves gate and up as separate checkpoint chunks then needs no concatenation."""
+    """:func:`split_for_rank` as the tensors whose concatenation on dim 0 is the shard, as
+    views of ``full`` where the layout allows (``qkv``: the rows of each query group's q,
+    k and v; ``gate_up``: [gate shard, up shard]; ``vocab``: the rows and the zero padding).
+    A streaming writer then writes the parameter from the input bytes, with no copy."""
     if kind == "gate_up":
         gate, up = full
         return [gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]]
-    return [_split_whole(kind, full, arch, tp, rank)]
-
-
-def _split_whole(kind: str, full: list[torch.Tensor], arch: Qwen3Arch, tp: int,
-                 rank: int) -> torch.Tensor:
-    if kind == "replicated":
-        return full[0]
-    if kind == "row":
-        return full[0].chunk(tp, dim=1)[rank]
+    if kind == "qkv":
+        groups, per_group, head_dim = _qkv_groups(arch)
+        q, k, v = (t.reshape(groups, -1, t.shape[-1]) for t in full)
+        return _rank_rows([t[g] for g in range(groups) for t in (q, k, v)], tp, rank)
     if kind == "vocab":
         w = full[0]
         pad = padded_vocab_size(arch.vocab_size, tp) - w.shape[0]
-        w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])]) if pad else w
-        return w.chunk(tp, dim=0)[rank]
-    if kind == "qkv":
-        q, k, v = full
-        groups, per_group, head_dim = _qkv_groups(arch)
-        hidden = q.shape[-1]
-        stacked = torch.cat([q.reshape(groups, per_group * head_dim, hidden),
-                             k.reshape(groups, head_dim, hidden),
-                             v.reshape(groups, head_dim, hidden)], dim=1)
-        return stacked.reshape(-1, hidden).chunk(tp, dim=0)[rank]
+        return _rank_rows([w, w.new_zeros(pad, *w.shape[1:])] if pad else [w], tp, rank)
+    if kind == "replicated":
+        return [full[0]]
+    if kind == "row":
+        return [full[0].chunk(tp, dim=1)[rank]]
     raise ValueError(f"unknown rule kind {kind!r}")
+
+
+def _rank_rows(parts: list[torch.Tensor], tp: int, rank: int) -> list[torch.Tensor]:
+    """TP rank ``rank``'s equal share of the rows of the concatenation of ``parts`` (dim 0),
+    as views of the parts."""
+    rows = sum(p.shape[0] for p in parts) // tp
+    lo, hi, start, out = rank * rows, (rank + 1) * rows, 0, []
+    for p in parts:
+        a, b = max(lo, start), min(hi, start + p.shape[0])
+        if a < b:
+            out.append(p[a - start:b - start])
+        start += p.shape[0]
+    return out
 
 
 def _cat(shards: list[torch.Tensor], dim: int = 0) -> torch.Tensor:

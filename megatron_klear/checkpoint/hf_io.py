@@ -21,6 +21,7 @@ Every directory is written under ``.<name>.tmp`` next to the target and renamed 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -29,7 +30,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -38,7 +39,8 @@ import torch.distributed as dist
 __all__ = ["ConversionError", "SafetensorsReader", "ShardPlan", "ShardWriter", "plan_shards",
            "write_index", "copy_tokenizer_files", "tmp_dir", "publish_dir",
            "export_model_to_hf", "DTYPE_CODES", "checkpoint_dtype", "FileMaps", "element_runs",
-           "byte_slices", "copy_range", "write_at"]
+           "byte_slices", "copy_range", "write_at", "start_writeback", "bytes_of",
+           "buffer_address"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 DTYPE_CODES: dict[str, torch.dtype] = {
@@ -99,12 +101,18 @@ def _read_header(path: Path) -> dict:
             raise ConversionError(f"{path}: corrupt safetensors header ({exc})") from exc
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     """A memoryview over a contiguous tensor's bytes (unlike ``.numpy()`` this leaves its
     storage resizable, so a streaming writer can free it once written)."""
     if t.nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def buffer_address(buf) -> int:
+    """The memory address of a (non-empty, contiguous) buffer's first byte, read-only
+    buffers included."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
@@ -162,7 +170,7 @@ class SafetensorsReader:
         out = torch.empty(e.nbytes, dtype=torch.uint8)
         fd = os.open(e.file, os.O_RDONLY)
         try:
-            _pread_into(fd, _bytes_of(out), e.offset)
+            _pread_into(fd, bytes_of(out), e.offset)
         finally:
             os.close(fd)
         return out.view(e.dtype).reshape(e.shape)
@@ -211,7 +219,7 @@ class FileMaps:
         have the kernel copy them file to file; None for other memory."""
         if not len(buf):
             return None
-        address = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        address = buffer_address(buf)
         for start, length, fd in self._spans:
             if start <= address and address + len(buf) <= start + length:
                 return fd, address - start
@@ -257,11 +265,39 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int
 
 def write_at(fd: int, pos: int, buf: memoryview, maps: FileMaps | None = None) -> None:
     """Write the bytes ``buf`` at ``pos`` of ``fd``; when they are a view of one of ``maps``'
-    files the kernel copies them file to file (:func:`copy_range`), the rest is written."""
+    files the kernel copies them file to file (:func:`copy_range`), the rest is written.
+    A large write then starts the file's write-back (:func:`start_writeback`)."""
     where = maps.locate(buf) if maps is not None else None
     done = copy_range(*where, fd, pos, len(buf)) if where is not None else 0
     while done < len(buf):
         done += os.pwrite(fd, buf[done:done + _MAX_IO], pos + done)
+    if len(buf) >= _WRITEBACK_MIN:
+        start_writeback(fd)
+
+
+_WRITEBACK_MIN = 1 << 20  # smaller writes are left to the next large one or the fsync
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux; None elsewhere: write-back then waits for fsync)."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int) -> None:
+    """Have the kernel start writing ``fd``'s dirty pages to disk now, without waiting
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)`` over the whole file). The writers call it
+    after each large write, so the disk writes while the next tensor is produced and the
+    closing fsync finds the data written: with the system's default dirty-page limits
+    (gigabytes) nothing is written back before the fsync otherwise, and a conversion then
+    waited ~0.4 s per GB in it. Durability still comes from the fsync."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def element_runs(view: torch.Tensor) -> list[tuple[int, int]]:
@@ -288,7 +324,7 @@ def element_runs(view: torch.Tensor) -> list[tuple[int, int]]:
 def byte_slices(parts: list[torch.Tensor], runs: list[tuple[int, int]]) -> list[memoryview]:
     """The bytes of element ``runs`` of the concatenation of contiguous ``parts`` (one
     dtype), as memoryviews of the parts' memory: nothing is copied."""
-    bufs = [_bytes_of(p) for p in parts]
+    bufs = [bytes_of(p) for p in parts]
     itemsize = parts[0].element_size()
     ends, end = [], 0
     for b in bufs:
@@ -386,7 +422,7 @@ class ShardWriter:
             raise ValueError(f"{name}: planned {dtype} {shape}, got {tensor.dtype} "
                              f"{tuple(tensor.shape)}")
         data = tensor.contiguous()  # held while its bytes are written (a view holds nothing)
-        self.write_bytes(name, [_bytes_of(data)])
+        self.write_bytes(name, [bytes_of(data)])
 
     def write_bytes(self, name: str, bufs: list[memoryview],
                     maps: FileMaps | None = None) -> None:

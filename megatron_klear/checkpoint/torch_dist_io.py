@@ -6,13 +6,15 @@ gate/up chunks of ``linear_fc1``); :func:`param_slots` joins it with the
 :data:`~megatron_klear.checkpoint.hf_bridge.RULES` walk, so the HF <-> Megatron mapping
 stays the one table in ``hf_bridge``.
 
-* Writing: :class:`StreamingSaveStrategy` is megatron's ``torch_dist`` save strategy whose
-  tensors are produced only when torch.distributed.checkpoint writes them (one tensor per
-  writer thread in memory). Work is split over ranks by assigning each chunk's main
-  replica to one rank (balanced by bytes); each rank writes its own files, with
-  ``threads`` files written concurrently per rank.
-  torch.save records are written without their CRC32 (torch's own option, which
-  ``torch.load`` accepts): computing it was a full extra pass over the bytes.
+* Writing: :class:`StreamingSaveStrategy` is megatron's ``torch_dist`` save strategy that
+  writes torch.distributed.checkpoint's files itself, from megatron's ShardedTensors: each
+  chunk is one torch.save record (torch writes the frame around the data, see
+  :func:`_record_frame`) whose data is written from its pieces, views of the mapped HF
+  inputs (q/k/v as each query group's rows), as kernel copies; then the pickled
+  ``.metadata``. No tensor is materialised unless ``--dtype`` casts it. Work is split
+  over ranks by assigning each chunk's main replica to one rank (balanced by bytes); each
+  rank writes its own files, ``threads`` of them concurrently. Records carry no CRC32
+  (torch's own option, which ``torch.load`` accepts).
 * Reading: :class:`TorchDistReader` reads the full (TP-merged) tensor of one checkpoint
   key and layer from a checkpoint saved at any TP/PP layout;
   :meth:`~TorchDistReader.read_parts` gives it as views of the files' pages where the
@@ -23,24 +25,23 @@ stays the one table in ``hf_bridge``.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import os
 import pickle
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem
-from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
-                                                               TorchDistSaveShardedStrategy)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge
-from megatron_klear.checkpoint.hf_io import FileMaps, write_at
+from megatron_klear.checkpoint.hf_io import FileMaps, buffer_address, bytes_of, write_at
 from megatron_klear.models import qwen3
 
 __all__ = ["Chunk", "ParamSlot", "meta_model", "param_slots", "StreamingSaveStrategy",
@@ -129,116 +130,159 @@ def balance(sizes: list[int], ranks: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- writing
-class _ChunkSource:
-    """Produces each chunk's tensor when the writer asks for it, and frees it once written.
-
-    ``build(slot)`` returns the parameter as parts whose concatenation on dim 0 is the
-    parameter (:func:`~megatron_klear.checkpoint.hf_bridge.split_parts_for_rank`); a chunk
-    that is exactly one part (gate or up of ``linear_fc1``) is that part, no copy. A
-    parameter cut into several chunks is kept until its last chunk was taken.
-
-    torch's FileSystemWriter keeps a reference to every tensor it wrote until its file is
-    complete; the serial loader asks for a thread's next tensor only after writing the
-    previous one, so :meth:`chunk` releases that thread's previous tensor's memory (the
-    writer is built with ``per_thread_copy_ahead=0`` so that it always loads serially):
-    an owned tensor's storage is freed, and ``release()`` drops the mapped input files'
-    pages from the process (those of a view, or of the source of a converted copy).
-    Thread-safe.
-    """
-
-    def __init__(self, slots: list[ParamSlot],
-                 build: Callable[[ParamSlot], list[torch.Tensor]],
-                 release: Callable[[], None] = lambda: None) -> None:
-        self._where = {(c.key, c.global_offset): (s, c) for s in slots for c in s.chunks}
-        self._build = build
-        self._release = release
-        self._lock = threading.Lock()
-        self._kept: dict[str, tuple[list[torch.Tensor], int]] = {}
-        self._building: dict[str, threading.Event] = {}
-        self._last = threading.local()
-
-    def __contains__(self, index: tuple[str, tuple[int, ...]]) -> bool:
-        return index in self._where
-
-    def chunk(self, key: str, offset: tuple[int, ...]) -> torch.Tensor:
-        """The chunk's tensor, owning exactly its storage (what the writer saves as is)."""
-        previous = getattr(self._last, "tensor", None)
-        if previous is not None:  # written by now: give its memory back
-            if previous.untyped_storage().resizable():
-                previous.untyped_storage().resize_(0)
-            self._release()  # (also the pages a converted copy was read from)
-        slot, c = self._where[(key, offset)]
-        out = self._cut(self._parts(slot), slot, c)
-        self._last.tensor = out
-        return out
-
-    @staticmethod
-    def _cut(parts: list[torch.Tensor], slot: ParamSlot, c: Chunk) -> torch.Tensor:
-        start = 0  # (shapes only: an earlier part may be written and freed already)
-        for part in parts:  # a chunk that is one whole part: the part itself
-            if part.shape == c.shape and start == c.storage_offset and _owns(part):
-                return part
-            start += math.prod(part.shape)
-        full = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if full.shape == c.shape and _owns(full):
-            return full
-        return full.reshape(slot.shape).as_strided(c.shape, c.stride, c.storage_offset).clone()
-
-    def _parts(self, slot: ParamSlot) -> list[torch.Tensor]:
-        if len(slot.chunks) == 1:
-            return self._build(slot)
-        with self._lock:
-            event = self._building.get(slot.name)
-            owner = event is None and slot.name not in self._kept
-            if owner:
-                event = self._building[slot.name] = threading.Event()
-        if owner:
-            parts = self._build(slot)
-            with self._lock:
-                self._kept[slot.name] = (parts, len(slot.chunks))
-                del self._building[slot.name]
-            event.set()
-        elif event is not None:
-            event.wait()
-        with self._lock:
-            parts, left = self._kept[slot.name]
-            if left == 1:
-                del self._kept[slot.name]
-            else:
-                self._kept[slot.name] = (parts, left - 1)
-        return parts
+_ALIGN = 64  # a record's data starts at a multiple of this in its file
 
 
-def _owns(t: torch.Tensor) -> bool:
-    """Contiguous and the only user of exactly its whole storage."""
-    return (t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.nbytes)
+def chunk_pieces(parts: list[torch.Tensor], c: Chunk, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The elements of chunk ``c`` of a parameter given as ``parts`` (concatenated on dim 0,
+    see :func:`~megatron_klear.checkpoint.hf_bridge.split_parts_for_rank`), in ``dtype``,
+    as contiguous flat tensors: views of the parts unless a cast or a strided part needs
+    a copy."""
+    contiguous = math.prod(c.shape) <= 1 or c.stride == _contiguous_strides(c.shape)
+    if not contiguous:
+        raise ValueError(f"checkpoint chunk {c.key} at {c.global_offset} is not a contiguous "
+                         "range of its parameter (the converters write the TP1 layout)")
+    lo, hi, start, pieces = c.storage_offset, c.storage_offset + c.numel, 0, []
+    for p in parts:
+        a, b = max(lo, start), min(hi, start + p.numel())
+        if a < b:
+            pieces.append(p.reshape(-1)[a - start:b - start])
+        start += p.numel()
+    return [p.to(dtype).contiguous() for p in pieces]
 
 
-def _save_planner(source: _ChunkSource):
-    """megatron's torch_dist save planner, producing tensors only when they are written."""
-    from torch.distributed.checkpoint.planner import WriteItemType
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.insert(0, n)
+        n *= d
+    return tuple(strides)
 
-    class _StreamingPlanner(MCoreSavePlanner):
-        def resolve_data(self, write_item):  # noqa: D102 (torch's SavePlanner API)
-            index = (write_item.index.fqn, tuple(write_item.index.offset or ()))
-            if write_item.type != WriteItemType.BYTE_IO and index in source:
-                # the saved chunk carries the prepended (layer) axes of the global tensor
-                return source.chunk(*index).view(write_item.tensor_data.chunk.sizes)
-            return super().resolve_data(write_item)
 
-    return _StreamingPlanner(flatten_state_dict=False)
+@functools.lru_cache(maxsize=None)
+def _record_frame(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes]:
+    """torch.save's bytes of a tensor of ``shape`` and ``dtype`` before and after its data:
+    torch writes the format (zip of the pickle, the 64-byte aligned data record, version),
+    the caller the data, from its sources. The stand-in tensor given to torch.save is never
+    read (the records carry no CRC32, see :func:`_no_crc32`), so it takes no memory; one
+    frame serves every tensor of that shape and dtype."""
+    stand_in = torch.empty(shape, dtype=dtype)
+    out = _FrameCapture(stand_in)
+    with _no_crc32():
+        torch.save(stand_in, out)
+    return out.frame()
+
+
+class _FrameCapture:
+    """The write-only stream :func:`_record_frame` saves into: keeps the bytes written
+    before and after the one write of the stand-in tensor's data, drops that."""
+
+    def __init__(self, stand_in: torch.Tensor) -> None:
+        self._data = (stand_in.data_ptr(), stand_in.nbytes)
+        self._parts = [bytearray()]
+
+    def write(self, data) -> int:  # noqa: D102
+        buf = memoryview(data).cast("B")
+        is_data = buf.nbytes and (buffer_address(buf), buf.nbytes) == self._data
+        if len(self._parts) == 1 and is_data:
+            self._parts.append(bytearray())
+        else:
+            self._parts[-1] += buf
+        return buf.nbytes
+
+    def flush(self) -> None:  # noqa: D102
+        pass
+
+    def frame(self) -> tuple[bytes, bytes]:
+        if len(self._parts) != 2:
+            raise RuntimeError("torch.save did not write the tensor's data in one piece")
+        return bytes(self._parts[0]), bytes(self._parts[1])
+
+
+class _RecordFile:
+    """One ``.distcp`` file of torch.save records, one after the other: a tensor's data is
+    written from its pieces (:func:`~megatron_klear.checkpoint.hf_io.write_at`: bytes of
+    ``maps``' files are kernel copies) and starts :data:`_ALIGN`-byte aligned."""
+
+    def __init__(self, path: Path, maps: FileMaps | None) -> None:
+        self.name = path.name
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._maps, self._end = maps, 0
+
+    def tensor(self, shape: tuple[int, ...], pieces: list[torch.Tensor]) -> tuple[int, int]:
+        """Write a record of a tensor of ``shape`` whose data is the concatenation of the
+        contiguous ``pieces``; return its (offset, length)."""
+        head, tail = _record_frame(shape, pieces[0].dtype)
+        start = self._end + (-self._end - len(head)) % _ALIGN
+        pos = start + len(head)
+        os.pwrite(self._fd, head, start)
+        for b in map(bytes_of, pieces):
+            write_at(self._fd, pos, b, self._maps)
+            pos += len(b)
+        os.pwrite(self._fd, tail, pos)
+        self._end = pos + len(tail)
+        return start, self._end - start
+
+    def bytes(self, data: bytes) -> tuple[int, int]:
+        """Append a bytes record; return its (offset, length)."""
+        start = self._end
+        os.pwrite(self._fd, data, start)
+        self._end += len(data)
+        return start, len(data)
+
+    def close(self) -> None:
+        """fsync and close."""
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+
+
+@dataclass
+class _Written:
+    """One record as the checkpoint's ``.metadata`` lists it (``chunk`` None: bytes)."""
+
+    key: str
+    storage: object  # torch's _StorageInfo
+    chunk: object = None  # torch's ChunkStorageMetadata
+    size: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+
+
+def _metadata(written: list[_Written], checkpoint_dir: Path):
+    """torch.distributed.checkpoint's ``Metadata`` of these records (every rank's)."""
+    import uuid
+
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    state, storage = {}, {}
+    for w in written:
+        if w.chunk is None:
+            state[w.key] = BytesStorageMetadata()
+        else:
+            state.setdefault(w.key, TensorStorageMetadata(TensorProperties(dtype=w.dtype),
+                                                          torch.Size(w.size), [])
+                             ).chunks.append(w.chunk)
+        storage[MetadataIndex(w.key, w.chunk.offsets if w.chunk is not None else None)] = \
+            w.storage
+    return Metadata(state, storage_data=storage, version=CURRENT_DCP_VERSION,
+                    storage_meta=StorageMeta(checkpoint_dir, str(uuid.uuid4())))
 
 
 class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
     """``torch_dist`` save of a meta-device model whose tensors come from ``build(slot)``
-    (the parameter as parts, see :class:`_ChunkSource`).
+    (the parameter as parts, views of the inputs where the layout allows, see
+    :func:`chunk_pieces`), written record by record without materialising a state dict.
 
-    Each chunk's main replica goes to one rank (:func:`balance`), so ``torchrun`` with N
-    ranks splits the writing N ways; every rank writes ``threads`` files concurrently.
-    ``release`` drops the memory of written tensors that are views of a mapped file;
-    bytes of ``maps``' files are copied into the checkpoint files by the kernel
-    (:class:`_CopyingStream`).
+    The files are torch.distributed.checkpoint's (``__<rank>_<thread>.distcp`` records of
+    torch.save, a pickled ``.metadata``), read by megatron's own loader. Each chunk's main
+    replica goes to one rank (:func:`balance`), so ``torchrun`` with N ranks splits the
+    writing N ways; every rank writes ``threads`` files concurrently. ``release`` drops
+    the memory of input pages a written tensor touched; bytes of ``maps``' files are
+    copied into the checkpoint by the kernel.
     """
 
     def __init__(self, slots: list[ParamSlot],
@@ -246,78 +290,84 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
                  release: Callable[[], None] = lambda: None,
                  maps: FileMaps | None = None) -> None:
         super().__init__("torch_dist", 1, thread_count=threads)
-        self._slots = slots
-        self._source = _ChunkSource(slots, build, release)
-        self._maps = maps
+        self._where = {(c.key, c.global_offset): (s, c) for s in slots for c in s.chunks}
+        self._build, self._release, self._maps = build, release, maps
 
     def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:  # noqa: D102
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            _replace_state_dict_keys_with_sharded_keys)
+
+        self._assign_replicas(sharded_state_dict)
+        mine, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
+                                                                keep_only_main_replica=True)
+        items = [(key, v) for key, values in mine.items() for v in values]
+        owner = balance([_nbytes_of(v) for _, v in items], self.thread_count)
+        buckets = [[it for it, o in zip(items, owner) if o == t] for t in range(self.thread_count)]
+        rank = dist.get_rank()
+        with platform.host_only_section(), ThreadPoolExecutor(self.thread_count) as pool:
+            written = [w for ws in pool.map(
+                lambda t: self._write_file(Path(checkpoint_dir) / f"__{rank}_{t}.distcp",
+                                           buckets[t]), range(self.thread_count)) for w in ws]
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, written)
+        if rank == 0:
+            tmp = Path(checkpoint_dir) / ".metadata.tmp"
+            tmp.write_bytes(pickle.dumps(_metadata([w for ws in every for w in ws],
+                                                   Path(checkpoint_dir))))
+            os.replace(tmp, Path(checkpoint_dir) / ".metadata")
+
+    def _assign_replicas(self, sharded_state_dict) -> None:
+        """Make one rank's copy of each chunk the main replica (balanced by bytes)."""
+        import torch.distributed as dist
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        from megatron.core.dist_checkpointing.strategies.torch import (
-            _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
 
-        chunks = [(c.key, c.global_offset) for s in self._slots for c in s.chunks]
-        sizes = [c.numel for s in self._slots for c in s.chunks]
-        owner = dict(zip(chunks, balance(sizes, dist.get_world_size())))
-        me = dist.get_rank()
+        chunks = list(self._where)
+        owner = dict(zip(chunks, balance([self._where[c][1].numel for c in chunks],
+                                         dist.get_world_size())))
         for st in nested_values(sharded_state_dict):
             if isinstance(st, ShardedTensor) and (st.key, tuple(st.global_offset)) in owner:
-                st.replica_id = 0 if owner[st.key, tuple(st.global_offset)] == me else 1
-        sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
-            sharded_state_dict, keep_only_main_replica=True)
-        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-        writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=True,
-                                      sync_files=True, thread_count=self.thread_count,
-                                      per_thread_copy_ahead=0)
-        if self._maps is not None:
-            writer.fs = _CopyingFileSystem(self._maps)
-        with _no_crc32(), platform.host_only_section():
-            dcp.save(pyt_state_dict, storage_writer=writer, planner=_save_planner(self._source))
+                mine = owner[st.key, tuple(st.global_offset)] == dist.get_rank()
+                st.replica_id = 0 if mine else 1
+
+    def _write_file(self, path: Path, items: list) -> list[_Written]:
+        """Write ``items`` ((sharded key, ShardedTensor | ShardedObject)) as one file."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        out, written = _RecordFile(path, self._maps), []
+        try:
+            for key, v in items:
+                if isinstance(v, ShardedTensor):
+                    shape = (1,) * v.prepend_axis_num + tuple(v.local_shape)
+                    offset, length = out.tensor(shape, self._pieces(v))
+                    self._release()
+                    chunk = ChunkStorageMetadata(torch.Size(v.global_offset), torch.Size(shape))
+                    written.append(_Written(key, _StorageInfo(out.name, offset, length), chunk,
+                                            tuple(v.global_shape), v.dtype))
+                else:  # a ShardedObject, serialised as megatron's mcore_to_pyt_state_dict does
+                    data = io.BytesIO()
+                    torch.save([v.data], data)
+                    offset, length = out.bytes(data.getvalue())
+                    written.append(_Written(key, _StorageInfo(out.name, offset, length)))
+        finally:
+            out.close()
+        return written
+
+    def _pieces(self, st) -> list[torch.Tensor]:
+        if st.flattened_range is not None or (st.key, tuple(st.global_offset)) not in self._where:
+            raise ValueError(f"{st.key} at {tuple(st.global_offset)}: not a parameter chunk "
+                             "of the converted model")
+        slot, c = self._where[(st.key, tuple(st.global_offset))]
+        return chunk_pieces(self._build(slot), c, st.dtype)
 
 
-class _CopyingStream:
-    """A binary output file whose writes of bytes that lie in mapped input files (a
-    tensor's data, as torch.save hands it over) are kernel copies (``copy_file_range``):
-    the bytes never pass through this process. Everything else goes to the file as is."""
-
-    _MIN = 1 << 16  # smaller writes (zip headers, pickles) are not worth a lookup
-
-    def __init__(self, f, maps: FileMaps) -> None:
-        self._f, self._maps = f, maps
-
-    def write(self, data) -> int:  # noqa: D102
-        buf = memoryview(data).cast("B")
-        if buf.nbytes < self._MIN:
-            return self._f.write(buf)
-        self._f.flush()
-        pos = self._f.tell()
-        write_at(self._f.fileno(), pos, buf, self._maps)
-        self._f.seek(pos + buf.nbytes)
-        return buf.nbytes
-
-    def __getattr__(self, name: str):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._f.close()
-
-
-class _CopyingFileSystem(FileSystem):
-    """torch's local FileSystem whose output streams are :class:`_CopyingStream` s."""
-
-    def __init__(self, maps: FileMaps) -> None:
-        super().__init__()
-        self._maps = maps
-
-    @contextmanager
-    def create_stream(self, path, mode):  # noqa: D102 (torch's FileSystem API)
-        with super().create_stream(path, mode) as f:
-            yield _CopyingStream(f, self._maps) if "w" in mode else f
+def _nbytes_of(v) -> int:
+    """Bytes a ShardedTensor's chunk takes (0 for other items: they are tiny)."""
+    data = getattr(v, "data", None)
+    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else 0
 
 
 @contextmanager
@@ -480,11 +530,8 @@ def _record_layout(path, offset: int, length: int
             return None
     finally:
         os.close(fd)
-    contiguous, n = [], 1
-    for d in reversed(shape):
-        contiguous.insert(0, n)
-        n *= d
-    if start != 0 or n != numel or (n > 1 and list(stride) != contiguous):
+    n = math.prod(shape)
+    if start != 0 or n != numel or (n > 1 and tuple(stride) != _contiguous_strides(shape)):
         return None
     return data, dtype, tuple(shape)
 
