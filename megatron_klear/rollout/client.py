@@ -123,11 +123,10 @@ KEEP_ALIVE_IDLE_S = 2.0
 
 @dataclass
 class _KeptAlive:
-    """The event loop (on its own thread) and session that :meth:`RolloutClient.keep_alive`
-    shares between blocking calls."""
+    """The event loop (run by its own thread) and session that
+    :meth:`RolloutClient.keep_alive` shares between blocking calls."""
 
     loop: asyncio.AbstractEventLoop
-    thread: threading.Thread
     session: aiohttp.ClientSession | None = None
 
 
@@ -329,7 +328,7 @@ class RolloutClient:
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="rollout-client", daemon=True)
         thread.start()
-        self._kept = kept = _KeptAlive(loop, thread)
+        self._kept = kept = _KeptAlive(loop)
         try:
             yield self
         finally:
@@ -346,16 +345,16 @@ class RolloutClient:
         kept = self._kept
         if kept is not None and asyncio.get_running_loop() is kept.loop:
             if kept.session is None:
-                kept.session = aiohttp.ClientSession(
-                    timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                    connector=aiohttp.TCPConnector(limit=self.max_concurrency,
-                                                   keepalive_timeout=KEEP_ALIVE_IDLE_S))
+                kept.session = self._new_session(keepalive_timeout=KEEP_ALIVE_IDLE_S)
             yield kept.session
             return
-        async with aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                connector=aiohttp.TCPConnector(limit=self.max_concurrency)) as session:
+        async with self._new_session() as session:
             yield session
+
+    def _new_session(self, **connector: Any) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+            connector=aiohttp.TCPConnector(limit=self.max_concurrency, **connector))
 
     def _run_sync(self, coro) -> Any:
         """Run ``coro`` to completion from blocking code: on the kept-alive loop inside
