@@ -40,7 +40,7 @@ from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
 __all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
            "export_hf_weights", "export_entries", "export_views", "export_gathers",
            "hf_state_dict_from_megatron", "split_for_rank", "split_parts_for_rank",
-           "merge_shards", "merge_views",
+           "merge_shards", "merge_views", "concat_rows",
            "unwrap_model", "param_rules", "check_hf_names", "check_hf_shape", "hf_shape"]
 
 HfTensors = Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
@@ -168,7 +168,13 @@ def _rank_rows(parts: list[torch.Tensor], tp: int, rank: int) -> list[torch.Tens
     """TP rank ``rank``'s equal share of the rows of the concatenation of ``parts`` (dim 0),
     as views of the parts."""
     rows = sum(p.shape[0] for p in parts) // tp
-    lo, hi, start, out = rank * rows, (rank + 1) * rows, 0, []
+    return concat_rows(parts, rank * rows, (rank + 1) * rows)
+
+
+def concat_rows(parts: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Rows ``lo:hi`` of the concatenation of ``parts`` on dim 0, as views of the parts
+    (the concatenation itself is never built)."""
+    start, out = 0, []
     for p in parts:
         a, b = max(lo, start), min(hi, start + p.shape[0])
         if a < b:

@@ -142,12 +142,8 @@ def chunk_pieces(parts: list[torch.Tensor], c: Chunk, dtype: torch.dtype) -> lis
     if not contiguous:
         raise ValueError(f"checkpoint chunk {c.key} at {c.global_offset} is not a contiguous "
                          "range of its parameter (the converters write the TP1 layout)")
-    lo, hi, start, pieces = c.storage_offset, c.storage_offset + c.numel, 0, []
-    for p in parts:
-        a, b = max(lo, start), min(hi, start + p.numel())
-        if a < b:
-            pieces.append(p.reshape(-1)[a - start:b - start])
-        start += p.numel()
+    pieces = hf_bridge.concat_rows([p.reshape(-1) for p in parts], c.storage_offset,
+                                   c.storage_offset + c.numel)
     return [p.to(dtype).contiguous() for p in pieces]
 
 
