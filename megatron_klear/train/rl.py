@@ -520,7 +520,7 @@ def memory_workload(cfg: RLConfig) -> Workload:
     ``--micro-batch-size`` prompt + response rows, or of ``--max-tokens-per-gpu`` tokens,
     under the fused policy loss unless --loss-backend torch."""
     return Workload(cfg.rollout_max_prompt_len + cfg.rollout_max_response_len,
-                    fused_loss=cfg.loss_backend != "torch", attention_mask=False,
+                    fused_loss=cfg.loss_backend != "torch",
                     tokens=cfg.max_tokens_per_gpu)
 
 
