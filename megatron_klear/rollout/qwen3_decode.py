@@ -4,9 +4,10 @@ a preallocated KV cache.
 transformers' ``Qwen3ForCausalLM.forward`` (modeling_qwen3.py) spends most of a tiny model's
 decode step outside arithmetic: mask construction, cache bookkeeping, kwargs plumbing and
 output dataclasses, several hundred small ops per step. :func:`forward` computes the same
-thing with the same modules -- RMSNorm, projections, q/k norm, rotary embedding and
-``apply_rotary_pos_emb``, the MLP or sparse-MoE block, ``lm_head`` -- and eager grouped-query
-attention with an fp32 softmax (``eager_attention_forward``), so its logits are transformers'
+thing from the same modules and weights -- projections, rotary embedding and
+``apply_rotary_pos_emb``, the MLP or sparse-MoE block, ``lm_head``; the RMSNorms as one fused
+``rms_norm`` each -- with eager grouped-query attention and an fp32 softmax
+(``eager_attention_forward``), so its logits are transformers' to fp32 rounding
 (tests/test_rollout_server.py compares them). Full attention only, as Qwen3 and Qwen3-MoE
 use; a config with sliding-window layers is refused by :func:`check_supported`.
 """
@@ -102,6 +103,13 @@ class KVCache:
         self.bias = self.bias[index]
 
 
+def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3RMSNorm as one fused ``rms_norm``: fp32 statistics as transformers' module (in
+    bf16 it rounds once where the module rounds twice, within a bf16 ulp)."""
+    return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight,
+                                        module.variance_epsilon)
+
+
 @torch.no_grad()
 def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
             cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -117,15 +125,15 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
     cos, sin = inner.rotary_emb(hidden, positions)
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
+        x = _norm(layer.input_layernorm, hidden)
         shape = (b, t, -1, attn.head_dim)
-        q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+        q = _norm(attn.q_norm, attn.q_proj(x).view(shape)).transpose(1, 2)
+        k = _norm(attn.k_norm, attn.k_proj(x).view(shape)).transpose(1, 2)
         v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k, v = cache.append(i, k, v)
         hidden = hidden + attn.o_proj(grouped_attention(q, k, v, mask, attn.scaling))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
     cache.length += t
-    hidden = inner.norm(hidden if all_logits else hidden[:, -1:])
+    hidden = _norm(inner.norm, hidden if all_logits else hidden[:, -1:])
     return model.lm_head(hidden).float()
