@@ -108,3 +108,16 @@ def test_works_from_worker_threads():
     for t in threads:
         t.join()
     assert out == [1.0] * 4
+
+
+def test_cached_reference_parse_gives_the_same_verdicts():
+    """The n samples of a prompt share one parse of the reference (per worker): verdicts
+    against the cached parse equal those of the first, uncached call, in either order."""
+    from megatron_klear.rewards.math import _parse_gold, verify_in_process
+
+    _parse_gold.cache_clear()
+    gold = "\\frac{3}{4}"
+    verdicts = [verify_in_process(r, gold) for r in
+                ("\\boxed{0.75}", "\\boxed{3/5}", "\\boxed{\\dfrac{6}{8}}", "\\boxed{4/3}")]
+    assert verdicts == [1.0, 0.0, 1.0, 0.0]
+    assert _parse_gold.cache_info().hits == 3

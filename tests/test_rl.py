@@ -341,3 +341,15 @@ def test_killed_async_run_resumes_exactly(hf_model, prompts, tmp_path):
     staleness = {(r["step"], r["rollout/staleness"]) for r in records}
     assert (1, 0.0) in staleness and all(s <= 1 for _, s in staleness), staleness
     assert any(s == 1 for _, s in staleness), staleness  # batches really were generated ahead
+
+
+def test_balanced_split_evens_tokens_across_dp_ranks():
+    """Hand-computed: longest first, each row to the lighter rank (ties: the lower one). The
+    contiguous split of these rows would give 120 vs 35 tokens."""
+    from megatron_klear.train.rl import balanced_split
+
+    lengths = [50, 40, 30, 20, 10, 5]
+    shares = balanced_split(range(6), lengths, 2)
+    assert shares == [[0, 3, 4], [1, 2, 5]]
+    assert [sum(lengths[i] for i in s) for s in shares] == [80, 75]
+    assert balanced_split([7, 8, 9], [3, 3, 3], 3) == [[7], [8], [9]]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import math
 import mmap
 import os
 import shutil
@@ -368,10 +369,7 @@ class ShardPlan:
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = torch.tensor([], dtype=dtype).element_size()
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 def plan_shards(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],

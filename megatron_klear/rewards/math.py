@@ -13,6 +13,7 @@ overruns. Any failure scores 0.0; nothing here raises on garbage responses.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -61,6 +62,16 @@ def _gold_source(gold: str) -> str:
     return f"${gold}$"
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> tuple:
+    """math-verify's parse of a reference answer: the n samples of a prompt share it, so it is
+    parsed once per worker (sympy expressions are immutable; ``verify`` only reads them)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    return tuple(parse(_gold_source(gold), parsing_timeout=INNER_TIMEOUT_S,
+                       extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()]))
+
+
 def verify_in_process(response: str, answer: Any) -> float:
     """The verification itself; must run in a main thread (math-verify uses SIGALRM)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -68,9 +79,7 @@ def verify_in_process(response: str, answer: Any) -> float:
     pred_text = _answer_text(response)
     if not pred_text:
         return 0.0
-    gold = parse(_gold_source(gold_text(answer)),
-                 extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                 parsing_timeout=INNER_TIMEOUT_S)
+    gold = list(_parse_gold(gold_text(answer)))
     pred = parse(pred_text, extraction_config=[LatexExtractionConfig(boxed_match_priority=0),
                                                ExprExtractionConfig()],
                  parsing_timeout=INNER_TIMEOUT_S)

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import torch
 
+from megatron_klear.rollout.qwen3_decode import KVCache, check_supported, forward
 from megatron_klear.rollout.sampling import (SamplingConfig, find_stop_string, sample_next,
                                              seeded_uniforms, token_logprobs)
 
 __all__ = ["Sequence", "Generator"]
+
+INITIAL_DECODE_CAPACITY = 1024  # new tokens the KV cache holds before it first grows
 
 
 @dataclass
@@ -59,66 +62,6 @@ def expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return views
 
 
-GROUPED_ATTENTION = "klear_grouped_eager"
-
-
-def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
-                      dropout: float = 0.0, **_) -> tuple[torch.Tensor, None]:
-    """transformers' eager attention (``eager_attention_forward`` of modeling_qwen3.py: same
-    mask, fp32 softmax) for grouped-query attention without ``repeat_kv``: the query heads of
-    one KV head are stacked along the query axis, so the KV cache is read in place instead of
-    copied ``num_key_value_groups`` times at every decode step."""
-    b, h, t, d = query.shape
-    kv = key.shape[1]
-    q = query.reshape(b, kv, (h // kv) * t, d)
-    weights = torch.matmul(q, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        s = weights.shape[-1]
-        weights = (weights.view(b, kv, h // kv, t, s) + attention_mask[:, :, None]).view(
-            b, kv, -1, s)
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(weights, value).view(b, h, t, d)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register_grouped_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
-    AttentionMaskInterface.register(GROUPED_ATTENTION, eager_mask)
-
-
-def _growing_layer_class():
-    """transformers' ``DynamicLayer`` whose keys/values live in a buffer with spare capacity
-    (doubled when full): a decode step writes one position in place instead of ``torch.cat``
-    copying the whole cache (``DynamicLayer.update``, transformers/cache_utils.py)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            held = self.keys.shape[-2] if self.keys.numel() else 0
-            need = held + key_states.shape[-2]
-            buf = getattr(self, "_buffers_kv", None)
-            if (buf is None or buf[0].shape[-2] < need or buf[0].shape[:2] != key_states.shape[:2]
-                    or (held and self.keys.data_ptr() != buf[0].data_ptr())):  # reordered
-                shape = (*key_states.shape[:2], 2 * need, key_states.shape[-1])
-                buf = (key_states.new_empty(shape), value_states.new_empty(shape))
-                if held:
-                    buf[0][..., :held, :] = self.keys
-                    buf[1][..., :held, :] = self.values
-                self._buffers_kv = buf
-            buf[0][..., held:need, :] = key_states
-            buf[1][..., held:need, :] = value_states
-            self.keys, self.values = buf[0][..., :need, :], buf[1][..., :need, :]
-            return self.keys, self.values
-
-    return GrowingLayer
-
-
 class Generator:
     """An HF Qwen3 model on CPU with batched sampling (fp32 by default)."""
 
@@ -126,18 +69,17 @@ class Generator:
                  load_format: str = "auto") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        _register_grouped_attention()
         self.model_dir = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if load_format == "dummy":  # SGLang's --load-format dummy: random weights, no file reads
             config = AutoConfig.from_pretrained(self.model_dir)
-            config._attn_implementation = GROUPED_ATTENTION
             self.model = AutoModelForCausalLM.from_config(config).to(dtype)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype,
-                                                              attn_implementation=GROUPED_ATTENTION)
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
         self.model.eval().requires_grad_(False)
         self.config = self.model.config
+        check_supported(self.config)
+        self.dtype = dtype
         self.context_length = int(self.config.max_position_embeddings)
         self.eos_ids = self._eos_ids()
         self.lock = threading.Lock()
@@ -163,7 +105,7 @@ class Generator:
         (a ``retract`` pause, as SGLang's) drops the KV cache when decoding resumes and
         prefills prompt + tokens so far again with the weights loaded meanwhile.
         """
-        ids, logits, mask, pos, cache = self._prefill(seqs)
+        ids, logits, pos, cache = self._prefill(seqs)
         self._fill_input_logprobs(seqs, ids, logits)
         last = logits[:, -1]
         for s in seqs:
@@ -177,43 +119,38 @@ class Generator:
                 break
             if retract is not None and retract.is_set():
                 retract.clear()
-                _, logits, mask, pos, cache = self._prefill(seqs)
+                _, logits, pos, cache = self._prefill(seqs)
                 last = logits[:, -1]
             self._step(seqs, token_logprobs(last, temps))
             if all(s.finish_reason is not None for s in seqs):
                 break
             nxt = torch.tensor([[s.output_ids[-1] if s.output_ids else 0] for s in seqs])
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos + 1
-            last = self._forward(nxt, mask, pos, cache)[:, -1]
+            last = self._forward(nxt, pos, cache)[:, -1]
 
     def _prefill(self, seqs: list[Sequence]):
         """A fresh KV cache of every sequence's prompt + tokens so far (left-padded): the ids,
-        logits, attention mask, last positions and cache. Identical rows are computed once."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
+        logits (of every position where a sequence wants input logprobs, else of the last),
+        last positions and cache. Identical rows are computed once."""
         rows = [tuple(s.prompt_ids + s.output_ids) for s in seqs]
         unique = {row: i for i, row in enumerate(dict.fromkeys(rows))}
         ids, mask = self._left_pad([list(row) for row in unique])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
-        growing = _growing_layer_class()
-        cache.layers = [growing() if type(layer) is DynamicLayer else layer
-                        for layer in cache.layers]
-        logits = self._forward(ids, mask, positions, cache)
+        longest = max(s.cfg.max_new_tokens - len(s.output_ids) for s in seqs)
+        cache = KVCache(self.config, mask, self.dtype,
+                        ids.shape[1] + min(longest, INITIAL_DECODE_CAPACITY))
+        logits = self._forward(ids, positions, cache,
+                               all_logits=any(s.want_input_logprobs for s in seqs))
         if len(unique) < len(rows):  # the n samples of a prompt share one prefill (a prefix
             index = torch.tensor([unique[row] for row in rows])  # cache hit in SGLang)
-            cache.reorder_cache(index)
-            ids, logits, mask, positions = ids[index], logits[index], mask[index], positions[index]
-        return ids, logits, mask, positions[:, -1:], cache
+            cache.select(index)
+            ids, logits, positions = ids[index], logits[index], positions[index]
+        return ids, logits, positions[:, -1:], cache
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 all_logits: bool = False) -> torch.Tensor:
         with self.lock:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             cache=cache, use_cache=True)
-        return out.logits.float()
+            return forward(self.model, ids, positions, cache, all_logits)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)

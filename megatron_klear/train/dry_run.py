@@ -44,8 +44,7 @@ def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
         plan = plan_memory(arch, cfg, world, workload)
         report["memory"] = {**plan.as_dict(), "gpu_memory_gb": cfg.gpu_memory_gb,
                             "fits": plan.fits(cfg.gpu_memory_gb),
-                            "fused_loss": workload.fused_loss,
-                            "attention_mask": workload.attention_mask}
+                            "fused_loss": workload.fused_loss}
     else:
         report["model"] = "not checked (--hf-checkpoint is not on this machine)"
         report["memory"] = "not planned (needs the model's config.json)"

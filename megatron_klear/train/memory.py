@@ -46,19 +46,17 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class Workload:
-    """What a trainer feeds the model: sequence length, loss kind, explicit attention mask.
+    """What a trainer feeds the model: sequence length, loss kind, tokens per micro-batch.
 
     ``fused_loss``: the loss keeps O(1) numbers per token and writes the logits' gradient in
     place (``vocab_parallel_policy_loss``/``vocab_parallel_logprobs``); False: fp32 copies
-    of the vocab-parallel logits (``token_loss.token_nll``). ``attention_mask``: each
-    micro-batch carries a boolean ``[b, 1, s, s]`` mask (packed SFT bins). ``tokens``: the
+    of the vocab-parallel logits (``token_loss.token_nll``). ``tokens``: the
     tokens of one micro-batch when it is a pack under a token budget (``--max-tokens-per-gpu``,
     sequences of at most ``seq_length``); None: ``seq_length x --micro-batch-size``.
     """
 
     seq_length: int
     fused_loss: bool = True
-    attention_mask: bool = False
     tokens: int | None = None
 
     def microbatch_tokens(self, cfg: TrainConfig) -> int:
@@ -77,16 +75,15 @@ class StagePlan:
     grads: int
     optimizer: int
     activations: int  # saved for backward by the in-flight micro-batches
-    attention_mask: int
     logits_loss: int  # transient: logits and loss of one micro-batch (last stage)
     backward_working: int  # transient: gradients while one layer's backward runs
 
     @property
     def total(self) -> int:
-        """Peak bytes: state, saved activations and masks, plus the larger transient (the
-        logits are freed before the layers' backward starts)."""
+        """Peak bytes: state and saved activations, plus the larger transient (the logits
+        are freed before the layers' backward starts)."""
         return (self.params + self.grads + self.optimizer + self.activations +
-                self.attention_mask + max(self.logits_loss, self.backward_working))
+                max(self.logits_loss, self.backward_working))
 
 
 @dataclass(frozen=True)
@@ -122,8 +119,7 @@ class MemoryPlan:
                 "data_parallel_size": self.data_parallel_size,
                 "binding_stage": pk.stage, "in_flight_microbatches": pk.in_flight,
                 "gib": {k: gib(getattr(pk, k)) for k in
-                        ("params", "grads", "optimizer", "activations", "attention_mask",
-                         "logits_loss", "backward_working", "total")},
+                        ("params", "grads", "optimizer", "activations", "logits_loss", "backward_working", "total")},
                 "stage_total_gib": [gib(st.total) for st in self.stages]}
 
 
@@ -326,8 +322,6 @@ def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | No
             stage=i, layers=layers, in_flight=in_flight, params=int(n * p_b),
             grads=int(n * g_b), optimizer=int((n - experts) * o_b + experts * o_b_experts),
             activations=saved,
-            attention_mask=math.ceil(in_flight / v) * cfg.micro_batch_size * w.seq_length ** 2
-            if w.attention_mask else 0,
             logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,
             backward_working=working))
     return MemoryPlan(stages=tuple(stages), seq_length=w.seq_length,

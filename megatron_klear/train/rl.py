@@ -238,19 +238,32 @@ def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
 def rollout_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
                          pad_id: int) -> list[dict]:
     """This DP rank's micro-batches of the mini-batch ``rows``, packed or padded."""
-    mine = dp_rows(rows)
+    mine = dp_rows(rows, [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows])
     if cfg.pack_sequences:
         return pack_microbatches(batch, mine, cfg, pad_id)
     seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
     return pad_microbatches(batch, mine, cfg.micro_batch_size, pad_id, seq_len)
 
 
-def dp_rows(rows: Sequence[int]) -> list[int]:
-    """This data-parallel rank's contiguous share of ``rows``."""
+def dp_rows(rows: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    """This data-parallel rank's share of ``rows`` (``lengths`` their token counts), balanced
+    by tokens so the ranks reach the gradient all-reduce together: longest first, each row to
+    the rank with the fewest tokens so far (ties: the lower rank), as slime's balanced split.
+    The loss stays exact however rows are split: every rank divides by the mini-batch's token
+    count. Returned in batch order."""
     dp = parallel_state.get_data_parallel_world_size()
     r = parallel_state.get_data_parallel_rank()
-    per = len(rows) // dp
-    return list(rows[r * per:(r + 1) * per])
+    return balanced_split(rows, lengths, dp)[r]
+
+
+def balanced_split(rows: Sequence[int], lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """``rows`` in ``parts`` shares of near-equal total length (greedy longest-first)."""
+    load, shares = [0] * parts, [[] for _ in range(parts)]
+    for length, row in sorted(zip(lengths, rows), key=lambda lr: (-lr[0], lr[1])):
+        k = min(range(parts), key=lambda j: (load[j], j))
+        load[k] += length
+        shares[k].append(row)
+    return [sorted(share) for share in shares]
 
 
 def fill_logprobs(logits: torch.Tensor, batch: dict, vocab_size: int, temperature: float,
@@ -507,7 +520,7 @@ def memory_workload(cfg: RLConfig) -> Workload:
     ``--micro-batch-size`` prompt + response rows, or of ``--max-tokens-per-gpu`` tokens,
     under the fused policy loss unless --loss-backend torch."""
     return Workload(cfg.rollout_max_prompt_len + cfg.rollout_max_response_len,
-                    fused_loss=cfg.loss_backend != "torch", attention_mask=False,
+                    fused_loss=cfg.loss_backend != "torch",
                     tokens=cfg.max_tokens_per_gpu)
 
 

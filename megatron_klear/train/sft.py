@@ -167,7 +167,7 @@ def train(cfg: SFTConfig) -> list[dict]:
 def memory_workload(cfg: SFTConfig) -> Workload:
     """What the SFT trainer feeds the model: THD packs of bins of ``bin_size`` tokens (no
     attention mask), under the fused log-prob loss unless --loss-backend torch."""
-    return Workload(cfg.bin_size, fused_loss=cfg.loss_backend != "torch", attention_mask=False)
+    return Workload(cfg.bin_size, fused_loss=cfg.loss_backend != "torch")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,139 @@
+"""The embedded server's Qwen3 forward: transformers' own modules, called layer by layer over
+a preallocated KV cache.
+
+transformers' ``Qwen3ForCausalLM.forward`` (modeling_qwen3.py) spends most of a tiny model's
+decode step outside arithmetic: mask construction, cache bookkeeping, kwargs plumbing and
+output dataclasses, several hundred small ops per step. :func:`forward` computes the same
+thing from the same modules and weights -- projections, rotary embedding and
+``apply_rotary_pos_emb``, the MLP or sparse-MoE block, ``lm_head``; the RMSNorms as one fused
+``rms_norm`` each -- with eager grouped-query attention and an fp32 softmax
+(``eager_attention_forward``), so its logits are transformers' to fp32 rounding
+(tests/test_rollout_server.py compares them). Full attention only, as Qwen3 and Qwen3-MoE
+use; a config with sliding-window layers is refused by :func:`check_supported`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVCache", "check_supported", "forward", "grouped_attention"]
+
+
+def check_supported(config) -> None:
+    """Raise for a config this forward would compute wrongly (sliding-window layers)."""
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        raise ValueError(f"the embedded rollout server runs full attention only; this config "
+                         f"has layer_types {sorted(kinds)} (use_sliding_window="
+                         f"{getattr(config, 'use_sliding_window', False)}): serve it with "
+                         "SGLang (--rollout-urls)")
+
+
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      bias: torch.Tensor, scaling: float) -> torch.Tensor:
+    """transformers' eager attention (fp32 softmax, additive mask ``bias`` [b, 1, t, s]) for
+    grouped-query attention without ``repeat_kv``: the query heads of one KV head are stacked
+    along the query axis, so the cache is read in place. Returns [b, t, h * d]."""
+    b, h, t, d = query.shape
+    kv = key.shape[1]
+    q = query.reshape(b, kv, (h // kv) * t, d)
+    weights = torch.matmul(q, key.transpose(2, 3)) * scaling
+    s = weights.shape[-1]
+    weights = (weights.view(b, kv, h // kv, t, s) + bias[:, :, None]).view(b, kv, -1, s)
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights, value).view(b, h, t, d)
+    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+class KVCache:
+    """Keys and values of every layer in buffers with spare capacity ([b, kv, capacity, d];
+    doubled when full), plus each row's additive padding mask over those positions. A step
+    writes its positions in place: no per-step concatenation of the whole cache."""
+
+    def __init__(self, config, valid: torch.Tensor, dtype: torch.dtype, capacity: int) -> None:
+        self.layers = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        self.dtype, self.length = dtype, 0
+        self.min = torch.finfo(dtype).min
+        b = valid.shape[0]
+        self.k = self.v = []
+        self.bias = torch.zeros(b, 0, dtype=dtype)
+        self._resize(max(capacity, valid.shape[1]))
+        self.bias[:, :valid.shape[1]] = torch.where(valid.bool(), 0.0, self.min)
+
+    def _resize(self, capacity: int) -> None:
+        b, held = self.bias.shape[0], self.length
+        shape = (b, self.kv_heads, capacity, self.head_dim)
+        new_k = [torch.empty(shape, dtype=self.dtype) for _ in range(self.layers)]
+        new_v = [torch.empty(shape, dtype=self.dtype) for _ in range(self.layers)]
+        for old, new in zip(self.k + self.v, new_k + new_v):
+            new[:, :, :held] = old[:, :, :held]
+        bias = torch.zeros(b, capacity, dtype=self.dtype)  # later positions: generated, valid
+        bias[:, :self.bias.shape[1]] = self.bias[:, :capacity]
+        self.k, self.v, self.bias = new_k, new_v, bias
+
+    def reserve(self, end: int) -> None:
+        if end > self.bias.shape[1]:
+            self._resize(2 * end)
+
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values at ``length``; the filled part of the layer's cache."""
+        end = self.length + key.shape[2]
+        self.k[layer][:, :, self.length:end] = key
+        self.v[layer][:, :, self.length:end] = value
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def mask(self, steps: int) -> torch.Tensor:
+        """The additive mask [b, 1, steps, length + steps]: padding, and causal within the
+        new positions."""
+        end = self.length + steps
+        pad = self.bias[:, None, None, :end]
+        if steps == 1:
+            return pad
+        causal = torch.ones(steps, end, dtype=torch.bool).tril(self.length)
+        return torch.where(causal, pad, self.min)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (the n samples of a prompt share its prefill)."""
+        self.k = [k[index] for k in self.k]
+        self.v = [v[index] for v in self.v]
+        self.bias = self.bias[index]
+
+
+def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3RMSNorm as one fused ``rms_norm``: fp32 statistics as transformers' module (in
+    bf16 it rounds once where the module rounds twice, within a bf16 ulp)."""
+    return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight,
+                                        module.variance_epsilon)
+
+
+@torch.no_grad()
+def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+            cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+    """fp32 logits of ``ids`` [b, t] at ``positions`` [b, t], appended to ``cache``: of every
+    position with ``all_logits``, else of the last only ([b, t or 1, V])."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    inner = model.model
+    b, t = ids.shape
+    cache.reserve(cache.length + t)
+    mask = cache.mask(t)
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, positions)
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = _norm(layer.input_layernorm, hidden)
+        shape = (b, t, -1, attn.head_dim)
+        q = _norm(attn.q_norm, attn.q_proj(x).view(shape)).transpose(1, 2)
+        k = _norm(attn.k_norm, attn.k_proj(x).view(shape)).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = cache.append(i, k, v)
+        hidden = hidden + attn.o_proj(grouped_attention(q, k, v, mask, attn.scaling))
+        hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+    cache.length += t
+    hidden = _norm(inner.norm, hidden if all_logits else hidden[:, -1:])
+    return model.lm_head(hidden).float()
