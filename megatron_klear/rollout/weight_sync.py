@@ -484,8 +484,10 @@ class WeightSync:
         else the first sync plans the buckets from the export stream and later syncs
         follow that plan (names checked), with no re-planning."""
         if self.load_format == "flattened_bucket" and not self._gathers:
-            if self._placed is None or self._placed[0] is not self._views:
-                self._placed = (self._views, self._place(self._views))
+            views = list(items)  # made once by _export while the parameters keep their storage
+            old = self._placed[0] if self._placed is not None else []
+            if len(old) != len(views) or any(a[1] is not b[1] for a, b in zip(views, old)):
+                self._placed = (views, self._place(views))
             self._plan = [bucket for bucket, _, _ in self._placed[1]]
             yield from self._placed[1]
             return
@@ -517,8 +519,9 @@ class WeightSync:
         only the rest (q/k/v de-interleaved, dtype casts, small runs) is packed, into buckets
         formed in export order as before. Buckets go in the export order of their first
         tensor: the same on every rank, the big direct buckets on the wire while the packed
-        ones are copied. Without adjacent runs (no distributed optimizer: a storage per
-        parameter) this is the streamed plan, bucket for bucket."""
+        ones are copied. Without a run of ``min_direct_bytes`` (e.g. small layers and no
+        distributed optimizer: a storage per parameter) this is the streamed plan, bucket
+        for bucket."""
         dtypes = [self.dtype or v.dtype for _, v, _ in items]
         size = [self._nbytes(item) for item in items]
         direct = []
