@@ -1,15 +1,21 @@
 """Benchmark: weight sync of a Qwen3-0.6B-shaped model to one embedded rollout server.
 
+The model is built as the trainer builds it (train/engine.build_model: megatron DDP, bf16),
+once with the distributed optimizer (the layout of every GPU recipe in examples/: all
+parameters in one buffer, so a layer's tensors but its q/k/v lie back to back and a run of
+them is sent from parameter memory) and once without it (a storage per parameter).
 Measured side by side in one run, in (sync, raw) pairs taken back to back:
   * WeightSync.sync (export from Megatron -> buckets -> HTTP request + gloo broadcast ->
-    server loads the tensors), GB/s over the bytes sent, for both load formats;
+    server loads the tensors), GB/s over the bytes sent: both load formats with the
+    distributed optimizer, the default format without it;
   * the transport limit: raw gloo broadcasts of the same bucket sizes (the sync's own bucket
     plan: same bytes, same number of broadcasts) between the trainer and a receiver process
     (same group construction, same loopback TCP).
-Prints the ratios (target >= 0.90 for the default format). ``--model moe``: a Qwen3-MoE of
-the same bytes (bench_convert.MOE_SAME_BYTES: 16 experts x 192 per layer). Usage:
+Prints the ratios (target >= 0.90 for the default format with the distributed optimizer).
+``--model moe``: a Qwen3-MoE of the same bytes (bench_convert.MOE_SAME_BYTES: 16 experts x
+192 per layer); ``--width``: the layers of a wider Qwen3 (longer runs per layer). Usage:
   python benchmarks/bench_weight_sync.py [--bucket-mb 512] [--repeats 3] [--num-layers 28]
-                                         [--model dense|moe]
+                                         [--model dense|moe] [--width 0.6b|1.7b|4b]
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28
                   torch_dtype="bfloat16")
 
 
+# Qwen3 layer widths (their config.json): hidden, intermediate, attention heads, KV heads
+WIDTHS = {"0.6b": {}, "1.7b": dict(hidden_size=2048, intermediate_size=6144,
+                                   num_attention_heads=16, num_key_value_heads=8),
+          "4b": dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+                     num_key_value_heads=8)}
 FORMATS = {"flattened_bucket": "flattened_bucket", "per-tensor": None}
 # the first sync plans the buckets; the embedded server pools two receive buffers per bucket
 # (the live parameters' and the next sync's), so the second sync still faults fresh pages in
@@ -49,16 +60,20 @@ def _parse_args() -> argparse.Namespace:
                    help="override the layer count (smaller = quicker run)")
     p.add_argument("--model", choices=("dense", "moe"), default="dense",
                    help="Qwen3-0.6B shape, or a Qwen3-MoE of the same bytes")
+    p.add_argument("--width", choices=tuple(WIDTHS), default="0.6b",
+                   help="dense: the layer width of this Qwen3 (the bytes of one layer's run of "
+                        "adjacent tensors; use fewer --num-layers for the wider ones)")
     return p.parse_args()
 
 
-def _write_model_dir(out: Path, num_layers: int, model: str = "dense") -> Path:
+def _write_model_dir(out: Path, num_layers: int, model: str = "dense", width: str = "0.6b"
+                     ) -> Path:
     from bench_convert import model_config  # the same dense / MoE shapes
 
     from megatron_klear.models.tiny import build_tokenizer
 
     build_tokenizer(out)
-    cfg = dict(model_config(model), num_hidden_layers=num_layers)
+    cfg = dict(model_config(model), num_hidden_layers=num_layers, **WIDTHS[width])
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -121,35 +136,56 @@ def _timed_sync(sync, version: str) -> tuple[float, float]:
     return gbps, time.process_time() - cpu
 
 
-def run(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
-    """Per load format: ((sync GB/s, CPU s), (raw GB/s, CPU s)) pairs measured back to back
-    (after :data:`WARMUP_SYNCS` warm-up syncs), so load from other jobs hits both sides of
-    each ratio alike. The raw side broadcasts exactly the sync's bucket sizes (its plan)."""
+# (layout, load format) measured: the recipes' layout (every GPU recipe in examples/ passes
+# --use-distributed-optimizer) in both formats, and the default format without it
+LAYOUTS = {"distributed optimizer": True, "separate storage": False}
+CASES = [("distributed optimizer", "flattened_bucket"), ("distributed optimizer", "per-tensor"),
+         ("separate storage", "flattened_bucket")]
+
+
+def _build(model_dir: Path, distributed_optimizer: bool):
+    """The model as the trainer builds it (train/engine.build_model: megatron DDP, bf16).
+    With the distributed optimizer DDP keeps every parameter in one ``param_data`` buffer;
+    without it each parameter has its own storage."""
+    from megatron_klear.config import TrainConfig
     from megatron_klear.models import qwen3
+    from megatron_klear.train.engine import build_model
+
+    arch = qwen3.qwen3_config_from_hf(qwen3.load_hf_config(model_dir))
+    cfg = TrainConfig(bf16=True, use_distributed_optimizer=distributed_optimizer)
+    return build_model(arch, cfg), arch
+
+
+def run(model_dir: Path, args: argparse.Namespace) -> dict[tuple[str, str], dict]:
+    """Per (layout, load format): ``pairs``, ((sync GB/s, CPU s), (raw GB/s, CPU s)) measured
+    back to back (after :data:`WARMUP_SYNCS` warm-up syncs), so load from other jobs hits both
+    sides of each ratio alike, and the sync's ``buckets`` (bytes; ``direct``: sent from the
+    parameters' memory). The raw side broadcasts exactly the sync's bucket sizes (its plan)."""
     from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
     from megatron_klear.rollout.weight_sync import WeightSync
     from megatron_klear.train.engine import initialize_parallel
 
     os.environ["MASTER_PORT"] = str(free_port())
     initialize_parallel(tp=1, pp=1)
-    arch = qwen3.qwen3_config_from_hf(qwen3.load_hf_config(model_dir))
-    config = qwen3.transformer_config(arch, params_dtype=torch.bfloat16,
-                                      perform_initialization=False)
-    model = qwen3.build_gpt_model(arch, config)
-    runs: dict[str, list] = {}
+    runs: dict[tuple[str, str], dict] = {}
     with launch_embedded_servers(model_dir, 1, dtype="bfloat16", load_format="dummy",
                                  startup_timeout_s=600) as servers:
-        for fmt, load_format in FORMATS.items():
-            sync = WeightSync(servers.urls, [model], arch, bucket_bytes=args.bucket_mb * 2**20,
-                              load_format=load_format)
-            sync.connect()
-            for i in range(WARMUP_SYNCS):
-                sync.sync(f"warmup{i}")
-            raw = RawBroadcast(sync.bucket_sizes, args.repeats)
-            runs[fmt] = [(_timed_sync(sync, f"v{i}"), raw.gbps()) for i in range(args.repeats)]
-            runs[fmt + " buckets"] = sync.bucket_sizes
-            sync.close()
-            raw.close()
+        for layout, distributed_optimizer in LAYOUTS.items():
+            model, arch = _build(model_dir, distributed_optimizer)
+            for fmt in (f for lay, f in CASES if lay == layout):
+                sync = WeightSync(servers.urls, model, arch,
+                                  bucket_bytes=args.bucket_mb * 2**20,
+                                  load_format=FORMATS[fmt])
+                sync.connect()
+                for i in range(WARMUP_SYNCS):
+                    sync.sync(f"warmup{i}")
+                raw = RawBroadcast(sync.bucket_sizes, args.repeats)
+                pairs = [(_timed_sync(sync, f"v{i}"), raw.gbps()) for i in range(args.repeats)]
+                runs[layout, fmt] = {"pairs": pairs, "buckets": sync.bucket_sizes,
+                                     "direct": sync.direct_bytes}
+                sync.close()
+                raw.close()
+            del model
     return runs
 
 
@@ -157,27 +193,30 @@ def main() -> None:
     args = _parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _write_model_dir(Path(tmp), args.num_layers, args.model)
+        model_dir = _write_model_dir(Path(tmp), args.num_layers, args.model, args.width)
         nbytes = _hf_bytes(model_dir)
         runs = run(model_dir, args)
     shape = "Qwen3-MoE (16 experts x 192 per layer) of Qwen3-0.6B's bytes" \
-        if args.model == "moe" else "Qwen3-0.6B shape"
+        if args.model == "moe" else f"Qwen3-{args.width.upper()} layer width"
     print(f"model: {shape}, {args.num_layers} layers, bf16, {nbytes / 1e9:.3f} GB; "
           f"bucket {args.bucket_mb} MiB; {args.repeats} (sync, raw) pairs after {WARMUP_SYNCS} "
           f"warm-up syncs; "
           f"load average {os.getloadavg()[0]:.1f}")
-    for fmt in FORMATS:
-        pairs = runs[fmt]
+    for layout, fmt in CASES:
+        case = runs[layout, fmt]
+        pairs = case["pairs"]
         ratios = sorted(s / r for (s, _), (r, _) in pairs)
         best_sync, best_raw = max(s for (s, _), _ in pairs), max(r for _, (r, _) in pairs)
         cpu_sync = sorted(c for (_, c), _ in pairs)[len(pairs) // 2]
         cpu_raw = sorted(c for _, (_, c) in pairs)[len(pairs) // 2]
-        sizes = ", ".join(f"{b / 2**20:.0f}" for b in runs[fmt + " buckets"])
-        print(f"{fmt:>16}: buckets [{sizes}] MiB; sync {best_sync:.3f} GB/s, raw gloo "
+        target = " (target >= 0.90)" if (layout, fmt) == CASES[0] else ""
+        print(f"{layout}, {fmt}: {len(case['buckets'])} buckets, "
+              f"{sum(case['buckets']) / 2**20:.0f} MiB of which {case['direct'] / 2**20:.0f} "
+              f"MiB sent from parameter memory (no pack); sync {best_sync:.3f} GB/s, raw gloo "
               f"broadcast {best_raw:.3f} GB/s (best of each); ratio per pair: median "
-              f"{ratios[len(ratios) // 2]:.2f}, best {ratios[-1]:.2f}; best/best "
-              f"{best_sync / best_raw:.2f} (target >= 0.90); trainer CPU s (median) sync "
-              f"{cpu_sync:.3f}, raw {cpu_raw:.3f}")
+              f"{ratios[len(ratios) // 2]:.2f}{target}, best {ratios[-1]:.2f}; best/best "
+              f"{best_sync / best_raw:.2f}; trainer CPU s (median) sync {cpu_sync:.3f}, raw "
+              f"{cpu_raw:.3f}")
 
 
 if __name__ == "__main__":

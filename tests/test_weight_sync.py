@@ -37,13 +37,21 @@ def server(model_dir, tmp_path_factory):
         yield s
 
 
-def _build(model_dir: str, tp: int, pp: int, seed: int):
+def _build(model_dir: str, tp: int, pp: int, seed: int, dist_opt: bool = False):
+    """The megatron model; ``dist_opt``: as the recipes build it (engine.build_model, DDP with
+    the distributed optimizer: every parameter a view of one param_data buffer)."""
+    from megatron_klear.config import TrainConfig
     from megatron_klear.models import qwen3
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.train.engine import build_model, initialize_parallel
 
     initialize_parallel(tp=tp, pp=pp, seed=seed)
     arch = qwen3.qwen3_config_from_hf(qwen3.load_hf_config(model_dir))
-    model = qwen3.build_gpt_model(arch, qwen3.transformer_config(arch, tp=tp, pp=pp))
+    if dist_opt:
+        model = build_model(arch, TrainConfig(tensor_model_parallel_size=tp,
+                                              pipeline_model_parallel_size=pp,
+                                              use_distributed_optimizer=True))[0]
+    else:
+        model = qwen3.build_gpt_model(arch, qwen3.transformer_config(arch, tp=tp, pp=pp))
     with torch.no_grad():  # large weights: a wrong mapping moves logprobs by whole nats
         for p in model.parameters():
             p.normal_(1.0, 0.3) if p.dim() == 1 else p.normal_(0.0, 0.2)
@@ -63,17 +71,52 @@ def _optimizer_step(model, arch) -> None:
     opt.step()
 
 
+def _in_place_step(model) -> None:
+    """What megatron's DistributedOptimizer does to the model at the end of a step: write the
+    updated values into the parameters, which are views of DDP's param_data
+    (megatron/core/optimizer/distrib_optimizer.py, _copy_main_params_to_model_params)."""
+    gen = torch.Generator().manual_seed(7)  # the same update on every DP replica
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def _check_direct_buckets(sync, model, arch) -> dict:
+    """The source rank's buckets sent from parameter memory: each lies inside DDP's param_data
+    and each named slice of it equals the HF export (hf_bridge.export_hf_weights, copies)."""
+    from megatron_klear.checkpoint.hf_bridge import export_hf_weights
+
+    ref = dict(export_hf_weights([model], arch))
+    data = model.buffers[0].param_data
+    lo, hi = data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()
+    direct, names = 0, []
+    for bucket, _, flat in sync._placed[1]:
+        names += [t.name for t in bucket.specs]
+        if flat is None:
+            continue
+        direct += 1
+        assert lo <= flat.data_ptr() and flat.data_ptr() + bucket.nbytes <= hi
+        for t in bucket.specs:
+            got = flat[t.offset:t.offset + ref[t.name].numel() * t.dtype.itemsize]
+            assert torch.equal(got.view(t.dtype).view(t.shape), ref[t.name]), t.name
+    assert sorted(names) == sorted(ref)  # every tensor sent once
+    return {"direct": direct, "buckets": len(sync._placed[1])}
+
+
 def _sync_and_probe(rank: int, world: int, url: str, model_dir: str, tp: int, pp: int,
-                    load_format: str | None):
+                    load_format: str | None, dist_opt: bool = False):
     """Per rank: probe (stale) -> sync v1 -> probe -> [optimizer step -> probe (stale) ->
-    sync v2 -> probe]. Returns the probe diffs measured on the last stage, and metrics."""
+    sync v2 -> probe]. Returns the probe diffs measured on the last stage, and metrics;
+    ``dist_opt``: the recipes' layout, every adjacent run sent from parameter memory."""
     from megatron.core import parallel_state as ps
 
     from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
 
-    model, arch = _build(model_dir, tp, pp, seed=1000 + 10 * tp + pp)
-    sync = WeightSync([url], [model], arch, bucket_bytes=32 * 1024, load_format=load_format)
+    model, arch = _build(model_dir, tp, pp, seed=1000 + 10 * tp + pp, dist_opt=dist_opt)
+    sync = WeightSync([url], [model], arch, bucket_bytes=32 * 1024, load_format=load_format,
+                      min_direct_bytes=1 if dist_opt else 2**40)
     sync.connect()
+    planned = {}
     diffs, metrics = {}, []
 
     def probe(tag: str) -> None:
@@ -85,12 +128,14 @@ def _sync_and_probe(rank: int, world: int, url: str, model_dir: str, tp: int, pp
     metrics.append(sync.sync("v1"))
     probe("after_sync")
     if pp == 1:
-        _optimizer_step(model, arch)
+        _in_place_step(model) if dist_opt else _optimizer_step(model, arch)
         probe("after_step_stale")
         metrics.append(sync.sync("v2"))
         probe("after_step_synced")
+        if dist_opt and sync.is_source:
+            planned = _check_direct_buckets(sync, model, arch)
     sync.close()
-    return {"diffs": diffs, "metrics": metrics}
+    return {"diffs": diffs, "metrics": metrics, "planned": planned}
 
 
 def _hf_bytes(model_dir) -> int:
@@ -100,10 +145,13 @@ def _hf_bytes(model_dir) -> int:
         return sum(f.get_tensor(k).numel() * 4 for k in f.keys())
 
 
-@pytest.mark.parametrize("tp, pp, load_format", [(2, 1, "flattened_bucket"), (1, 2, None)])
-def test_sync_makes_server_match_trainer(server, model_dir, tp, pp, load_format):
+@pytest.mark.parametrize("tp, pp, load_format, dist_opt", [
+    (2, 1, "flattened_bucket", False), (1, 2, None, False), (1, 1, "flattened_bucket", True)])
+def test_sync_makes_server_match_trainer(server, model_dir, tp, pp, load_format, dist_opt):
+    """dist_opt: DDP with the distributed optimizer at DP=2 (the recipes' layout); adjacent
+    parameters are sent from their own memory, the rest packed."""
     results = run_distributed(_sync_and_probe, 2, server.urls[0], str(model_dir), tp, pp,
-                              load_format, timeout=240)
+                              load_format, dist_opt, timeout=240)
     diffs = {k: v for r in results for k, v in r["diffs"].items()}
     assert diffs["before_sync"] > STALE_MIN, diffs
     assert diffs["after_sync"] < SYNCED_TOL, diffs
@@ -113,6 +161,9 @@ def test_sync_makes_server_match_trainer(server, model_dir, tp, pp, load_format)
     for m in results[0]["metrics"]:
         assert m["weight_sync/bytes"] == _hf_bytes(model_dir)
         assert m["weight_sync/seconds"] > 0 and m["weight_sync/gbps"] > 0
+    if dist_opt:  # one run per layer and the embedding's, the q/k/v packed
+        planned = results[0]["planned"]
+        assert planned["direct"] >= 2 and planned["buckets"] > planned["direct"], planned
     version = "v2" if pp == 1 else "v1"
     gen = RolloutClient(server.urls).generate(["a"], SamplingParams(max_new_tokens=1))[0][0]
     assert gen.weight_version == version

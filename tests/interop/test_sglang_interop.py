@@ -91,6 +91,21 @@ def test_n_samples_distinct_with_seeds(servers, sglang_model):
         assert len({tuple(g.output_ids) for g in group}) >= 3, [g.output_ids for g in group]
 
 
+def test_buckets_from_parameter_memory_load_into_real_sglang(servers, sglang_model):
+    """The recipes' layout (DDP with the distributed optimizer, DP=2), every run of adjacent
+    parameters sent from param_data (specs in memory order): real SGLang's
+    FlattenedTensorBucket accepts the buckets and serves the trainer's logprobs, also after
+    an in-place update (tests/test_weight_sync.py's check, against real SGLang)."""
+    from tests.test_weight_sync import STALE_MIN, _sync_and_probe
+
+    results = run_distributed(_sync_and_probe, 2, servers.urls[0], str(sglang_model), 1, 1,
+                              "flattened_bucket", True, timeout=600)
+    diffs = {k: v for r in results for k, v in r["diffs"].items()}
+    assert diffs["before_sync"] > STALE_MIN and diffs["after_step_stale"] > STALE_MIN, diffs
+    assert diffs["after_sync"] < PROBE_TOL and diffs["after_step_synced"] < PROBE_TOL, diffs
+    assert results[0]["planned"]["direct"] >= 2, results[0]["planned"]
+
+
 @pytest.mark.parametrize("world, layout, n_urls", [
     (1, [], 1),
     (2, ["--tensor-model-parallel-size", "2"], 2),
