@@ -346,10 +346,11 @@ def test_killed_async_run_resumes_exactly(hf_model, prompts, tmp_path):
 def test_balanced_split_evens_tokens_across_dp_ranks():
     """Hand-computed: longest first, each row to the lighter rank (ties: the lower one). The
     contiguous split of these rows would give 120 vs 35 tokens."""
-    from megatron_klear.train.rl import balanced_split
+    from megatron_klear.data.packing import balance
 
     lengths = [50, 40, 30, 20, 10, 5]
-    shares = balanced_split(range(6), lengths, 2)
+    owner = balance(lengths, 2)
+    shares = [[i for i, o in enumerate(owner) if o == r] for r in range(2)]
     assert shares == [[0, 3, 4], [1, 2, 5]]
     assert [sum(lengths[i] for i in s) for s in shares] == [80, 75]
-    assert balanced_split([7, 8, 9], [3, 3, 3], 3) == [[7], [8], [9]]
+    assert balance([3, 3, 3], 3) == [0, 1, 2]

@@ -42,10 +42,11 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge
 from megatron_klear.checkpoint.hf_io import FileMaps, buffer_address, bytes_of, write_at
+from megatron_klear.data.packing import balance
 from megatron_klear.models import qwen3
 
 __all__ = ["Chunk", "ParamSlot", "meta_model", "param_slots", "StreamingSaveStrategy",
-           "TorchDistReader", "balance"]
+           "TorchDistReader"]
 
 
 @dataclass(frozen=True)
@@ -117,16 +118,6 @@ def param_slots(model: torch.nn.Module, arch: qwen3.Qwen3Arch) -> list[ParamSlot
                                      tuple(st.data.stride()), st.data.storage_offset()))
         slots.append(slot)
     return slots
-
-
-def balance(sizes: list[int], ranks: int) -> list[int]:
-    """Owner rank of each item: largest first onto the least loaded rank (deterministic)."""
-    load, owner = [0] * ranks, [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += sizes[i]
-    return owner
 
 
 # ---------------------------------------------------------------- writing
@@ -275,7 +266,7 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
     The files are torch.distributed.checkpoint's (``__<rank>_<thread>.distcp`` records of
     torch.save, a pickled ``.metadata``), read by megatron's own loader. Each chunk's main
-    replica goes to one rank (:func:`balance`), so ``torchrun`` with N ranks splits the
+    replica goes to one rank (:func:`~megatron_klear.data.packing.balance`), so ``torchrun`` with N ranks splits the
     writing N ways; every rank writes ``threads`` files concurrently. ``release`` drops
     the memory of input pages a written tensor touched; bytes of ``maps``' files are
     copied into the checkpoint by the kernel.

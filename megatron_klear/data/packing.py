@@ -17,6 +17,18 @@ from typing import Mapping, Sequence
 import torch
 
 
+def balance(sizes: Sequence[int], ranks: int) -> list[int]:
+    """Owner rank of each item: largest first onto the least loaded rank (deterministic; ties:
+    the earlier item, the lower rank). Spreads work evenly over ranks or threads: RL rows over
+    data-parallel ranks by tokens, checkpoint records over writer threads by bytes."""
+    load, owner = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
 def pack_bins(lengths: Sequence[int], bin_size: int, window: int | None = 256
               ) -> list[list[int]]:
     """Group sample indices into bins whose next-token positions (``len - 1``) fit ``bin_size``.

@@ -21,7 +21,7 @@ from megatron_klear.algo.losses import sft_loss
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
-from megatron_klear.data.packing import pack_bins, thd_pack
+from megatron_klear.data.packing import balance, pack_bins, thd_pack
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
@@ -216,7 +216,7 @@ def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
                       pad_id: int) -> list[dict]:
     """THD micro-batches of ``rows`` without padding: ``--micro-batch-size`` sequences each,
     or, with ``--max-tokens-per-gpu``, first-fit-decreasing packs under that token budget."""
-    lengths = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
+    lengths = row_lengths(batch, rows)
     if cfg.max_tokens_per_gpu:
         budget = cfg.max_tokens_per_gpu - cfg.max_tokens_per_gpu % cfg.tensor_model_parallel_size
         if max(lengths) - 1 > budget:
@@ -238,7 +238,7 @@ def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
 def rollout_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
                          pad_id: int) -> list[dict]:
     """This DP rank's micro-batches of the mini-batch ``rows``, packed or padded."""
-    mine = dp_rows(rows, [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows])
+    mine = dp_rows(rows, row_lengths(batch, rows))
     if cfg.pack_sequences:
         return pack_microbatches(batch, mine, cfg, pad_id)
     seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
@@ -247,23 +247,18 @@ def rollout_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfi
 
 def dp_rows(rows: Sequence[int], lengths: Sequence[int]) -> list[int]:
     """This data-parallel rank's share of ``rows`` (``lengths`` their token counts), balanced
-    by tokens so the ranks reach the gradient all-reduce together: longest first, each row to
-    the rank with the fewest tokens so far (ties: the lower rank), as slime's balanced split.
-    The loss stays exact however rows are split: every rank divides by the mini-batch's token
-    count. Returned in batch order."""
-    dp = parallel_state.get_data_parallel_world_size()
+    by tokens so the ranks reach the gradient all-reduce together (:func:`balance`: longest
+    first onto the rank with the fewest tokens, as slime's balanced split). The loss stays
+    exact however rows are split: every rank divides by the mini-batch's token count.
+    Returned in batch order."""
+    owner = balance(lengths, parallel_state.get_data_parallel_world_size())
     r = parallel_state.get_data_parallel_rank()
-    return balanced_split(rows, lengths, dp)[r]
+    return [row for row, o in zip(rows, owner) if o == r]
 
 
-def balanced_split(rows: Sequence[int], lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """``rows`` in ``parts`` shares of near-equal total length (greedy longest-first)."""
-    load, shares = [0] * parts, [[] for _ in range(parts)]
-    for length, row in sorted(zip(lengths, rows), key=lambda lr: (-lr[0], lr[1])):
-        k = min(range(parts), key=lambda j: (load[j], j))
-        load[k] += length
-        shares[k].append(row)
-    return [sorted(share) for share in shares]
+def row_lengths(batch: RolloutBatch, rows: Sequence[int]) -> list[int]:
+    """Tokens (prompt + response) of each of ``rows``."""
+    return [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
 
 
 def fill_logprobs(logits: torch.Tensor, batch: dict, vocab_size: int, temperature: float,
