@@ -8,7 +8,8 @@ micro-batches vs THD token-budget packs (--max-tokens-per-gpu), alternating in o
 (TP=1, 1 rank, 2 threads); tokens/s counts real (non-padding) tokens.
 
 Part 2 (trl): wall seconds per RL step (generate, reward, train, weight sync) of klear-rl
-(torchrun + one embedded rollout server) and of TRL's GRPOTrainer (one process, 2 threads)
+(torchrun + embedded rollout servers, --share-prompts: each prompt trained once for its n
+samples, exact) and of TRL's GRPOTrainer (one process, 2 threads)
 on the same model, prompts, n, length, reward and optimizer steps (one per RL step), side
 by side and repeated, at two settings: this bench's own ("bench") and the held-out issue-14
 shape ("held-out": hidden 128, 4 layers, 16 prompts x 8 samples, 32 new tokens, fp32).
@@ -146,7 +147,7 @@ def klear_step(hf: Path, data: Path, work: Path, prompts: int, n: int, max_new: 
            "--max-tokens-per-gpu", "4096", "--micro-batch-size", "1",
            "--rollout-max-response-len", str(max_new), "--no-dynamic-sampling",
            "--train-iters", str(steps), "--save", str(save), "--no-progress-bar",
-           "--no-probe-weights", "--lr", "2e-4", *extra]
+           "--no-probe-weights", "--lr", "2e-4", "--share-prompts", *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(threads // procs, 1)))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_klear.data.packing import build_packed_batch, pack_bins, padding_fraction, thd_pack
+from megatron_klear.data.packing import build_packed_batch, pack_bins, pack_positions, \
+    padding_fraction, thd_pack
 from tests.dist import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,27 +46,52 @@ def test_thd_pack_layout():
         thd_pack([[1, 2, 3], [4, 5]], {"advantages": [[0.0, 1.0], [0.0, 1.0]]})
 
 
+def test_thd_pack_shares_prompts_by_hand():
+    """Two samples of prompt [1, 2, 3] share it; a lone prompt's sample stays whole."""
+    seqs = [[1, 2, 3, 10, 11], [1, 2, 3, 12], [7, 8, 9]]
+    mask = [[0, 0, 1, 1], [0, 0, 1], [0, 1]]
+    b = thd_pack(seqs, {"m": mask}, prompt_lens=[3, 3, 2], multiple=4)
+    # prefix [1, 2] (labels 2, 3), branches [3, 10] -> (10, 11) and [3] -> (12), then [7, 8]
+    assert b["tokens"].tolist() == [[1, 2, 3, 10, 3, 7, 8, 0]]
+    assert b["labels"].tolist() == [[2, 3, 10, 11, 12, 8, 9, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 2, 0, 1, 0]]  # branches continue
+    assert b["segment_ids"].tolist() == [[-1, -1, 0, 0, 1, 2, 2, -1]]
+    assert b["m"].tolist() == [[0, 0, 1, 1, 1, 0, 1, 0]]
+    assert b["cu_seqlens"].tolist() == [0, 2, 4, 5, 7, 8]
+    assert b["parent_segment"].tolist() == [-1, 0, 0, -1, -1]
+    assert pack_positions(seqs, [3, 3, 2]) == 7 and pack_positions(seqs) == 9
+    # different prompts of the same length, or a lone sample, are not shared
+    assert "parent_segment" not in thd_pack([[1, 2, 3, 4], [1, 5, 3, 4]], prompt_lens=[3, 3])
+    assert "parent_segment" not in thd_pack([[1, 2, 3, 4]], prompt_lens=[3])
+
+
 def test_padding_fraction_drops_with_packing():
     lengths = [10, 20, 5, 30, 12, 8] * 5
     assert padding_fraction(lengths, 64, packed=True) < padding_fraction(lengths, 64, packed=False)
 
 
-@pytest.mark.parametrize("max_scores", [2**24, 100])  # one group per length band / many groups
-def test_varlen_attention_matches_dense_block_diagonal_reference(max_scores, monkeypatch):
+@pytest.mark.parametrize("max_scores,shared", [(2**24, False), (100, False), (2**24, True)])
+def test_varlen_attention_matches_dense_block_diagonal_reference(max_scores, shared, monkeypatch):
+    """One group per length band / many groups / prompt sharing (segments 1 and 3 are
+    branches of prefix 0, segment 5 of prefix 4: each sees its prefix, then itself)."""
     from megatron_klear.models import varlen_attention as va
 
     monkeypatch.setattr(va, "MAX_GROUP_SCORES", max_scores)
     g = torch.Generator().manual_seed(0)
     lens = [7, 1, 12, 5, 6, 12, 3]
+    parents = [-1, 0, -1, 0, -1, 4, -1] if shared else None
     total, heads, groups, d = sum(lens), 4, 2, 8
     q = torch.randn(total, heads, d, generator=g, requires_grad=True)
     k = torch.randn(total, groups, d, generator=g, requires_grad=True)
     v = torch.randn(total, groups, d, generator=g, requires_grad=True)
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    out = va.varlen_causal_attention(q, k, v, cu, scale=0.3)
+    out = va.varlen_causal_attention(q, k, v, cu, scale=0.3, parents=parents)
     # reference: explicit softmax over a dense block-diagonal causal mask, heads repeated
     seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     allowed = (seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    for child, parent in enumerate(parents or []):
+        if parent >= 0:
+            allowed |= (seg[:, None] == child) & (seg[None, :] == parent)
     kk, vv = (x.repeat_interleave(heads // groups, dim=1) for x in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q, kk) * 0.3
     ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, -torch.inf).softmax(-1), vv)
@@ -76,7 +102,7 @@ def test_varlen_attention_matches_dense_block_diagonal_reference(max_scores, mon
     assert max(float((a - b).abs().max()) for a, b in zip(grads, want)) < 1e-5
     if max_scores == 100:
         assert len(va.length_groups(lens, heads)) == len(lens)  # the budget split every group
-    else:  # one group per length band: the two 12s, then 7 and 6 (right-padded), then singles
+    elif not shared:  # one group per length band: the two 12s, then 7 and 6 (padded), singles
         assert va.length_groups(lens, heads) == [[2, 5], [0, 4], [3], [6], [1]]
 
 

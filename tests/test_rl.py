@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import psutil
 import pytest
@@ -170,6 +171,7 @@ def _budget_vs_padded(rank, world, hf_dir):
     from megatron_klear.checkpoint.convert import SafetensorsReader
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.models.varlen_attention import VarlenCoreAttention
     from megatron_klear.train.engine import build_engine, initialize_parallel
     from megatron_klear.train.rl import RLConfig, old_logprobs, policy_loss_fn, \
         rollout_microbatches
@@ -204,11 +206,18 @@ def _budget_vs_padded(rank, world, hf_dir):
         packs, loss_pack, g_pack = step(cfg, precompute_old=False)
         padded, loss_pad, g_pad = step(replace(cfg, pack_sequences=False,
                                                max_tokens_per_gpu=None), precompute_old=True)
+        shared, loss_share, g_share = step(replace(cfg, share_prompts=True), False)
+        with mock.patch.object(VarlenCoreAttention, "_continue_positions",
+                               lambda self, q, k, *_: (q, k)):  # negative control
+            _, loss_noshift, _ = step(replace(cfg, share_prompts=True), False)
         out[f"tp{tp}pp{pp}"] = dict(
-            loss_pack=loss_pack, loss_pad=loss_pad,
+            loss_pack=loss_pack, loss_pad=loss_pad, loss_share=loss_share,
+            loss_noshift=loss_noshift,
             grad_diff=max(float((g_pack[n] - g_pad[n]).abs().max()) for n in g_pack),
+            share_grad_diff=max(float((g_share[n] - g_pad[n]).abs().max()) for n in g_pack),
             grad_max=max(float(g.abs().max()) for g in g_pad.values()),
             pack_tokens=[int(mb["tokens"].shape[1]) for mb in packs],
+            shared_tokens=[int(mb["tokens"].shape[1]) for mb in shared],
             padded_shape=list(padded[0]["tokens"].shape), n_padded=len(padded))
         parallel_state.destroy_model_parallel()
     return out
@@ -226,8 +235,14 @@ def test_token_budget_step_matches_padded_step_tp2_pp2(hf_model):
             assert sum(r["pack_tokens"]) < 8 * r["padded_shape"][1]  # less compute than padding
             assert r["grad_max"] > 1e-2, (rank, layout, r)
             assert r["grad_diff"] < 1e-5, (rank, layout, r)
+            # prompt sharing: each prompt once per pack, same loss and gradients
+            assert sum(r["shared_tokens"]) < sum(r["pack_tokens"]), r
+            assert r["share_grad_diff"] < 1e-5, (rank, layout, r)
             if r["loss_pad"] is not None:
                 assert abs(r["loss_pack"] - r["loss_pad"]) < 1e-5, (rank, layout, r)
+                assert abs(r["loss_share"] - r["loss_pad"]) < 1e-5, (rank, layout, r)
+                # branches that restart at position 0 instead of continuing their prompt
+                assert abs(r["loss_noshift"] - r["loss_pad"]) > 1e-4, (rank, layout, r)
     assert results[1]["tp1pp2"]["loss_pad"] is not None
 
 
@@ -354,3 +369,15 @@ def test_balanced_split_evens_tokens_across_dp_ranks():
     assert shares == [[0, 3, 4], [1, 2, 5]]
     assert [sum(lengths[i] for i in s) for s in shares] == [80, 75]
     assert balance([3, 3, 3], 3) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bad", [["--transformer-impl", "transformer_engine"],
+                                 ["--no-pack-sequences"]])
+def test_share_prompts_refused_where_its_tree_mask_cannot_run(bad):
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.train.rl import RLConfig
+
+    base = ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--share-prompts"]
+    assert parse_config(RLConfig, base).share_prompts
+    with pytest.raises(ConfigError, match="--share-prompts"):
+        parse_config(RLConfig, base + bad)

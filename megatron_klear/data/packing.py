@@ -11,7 +11,6 @@ micro-batches) both pack through :func:`pack_bins` and :func:`thd_pack`.
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import Mapping, Sequence
 
 import torch
@@ -60,40 +59,82 @@ def pack_bins(lengths: Sequence[int], bin_size: int, window: int | None = 256
 
 def thd_pack(seqs: Sequence[Sequence[int]],
              label_fields: Mapping[str, Sequence[Sequence[float]]] | None = None, *,
-             pad_id: int = 0, multiple: int = 1) -> dict:
+             pad_id: int = 0, multiple: int = 1,
+             prompt_lens: Sequence[int] | None = None) -> dict:
     """One THD micro-batch from whole token sequences.
 
-    Returns tokens, labels, position_ids and segment_ids (-1 on padding) ``[1, T]`` (long),
-    one float ``[1, T]`` tensor per entry of ``label_fields`` (per sequence, one value per
-    label, i.e. ``len - 1`` values), ``cu_seqlens`` (int32 ``[n + 1]``) and ``max_seqlen``.
-    With ``multiple > 1`` the pack is padded at its end to a multiple of it (e.g. the TP size
-    for sequence parallelism); the padding is a segment of its own with zero label fields.
+    Returns tokens, labels, position_ids and segment_ids (each label's sequence, -1 on
+    padding) ``[1, T]`` (long), one float ``[1, T]`` tensor per entry of ``label_fields``
+    (per sequence, one value per label, i.e. ``len - 1`` values), ``cu_seqlens`` (int32, one
+    span per segment) and ``max_seqlen``. With ``multiple > 1`` the pack is padded at its end
+    to a multiple of it (e.g. the TP size for sequence parallelism); the padding is a
+    segment of its own with zero label fields.
+
+    ``prompt_lens`` (prompt sharing): consecutive sequences that start with the same prompt
+    (``prompt_lens[i]`` tokens) carry it once: a prefix segment (the prompt but its last
+    token; segment id -1, label fields of the run's first sequence), then one branch per
+    sequence (the prompt's last token and the response), its positions continuing the
+    prompt's. ``parent_segment`` (long, -1: none) tells the attention that a branch sees its
+    prefix first (:class:`~megatron_klear.models.varlen_attention.VarlenCoreAttention`). Each
+    response label keeps its own logits and fields; the prompt's labels are scored once, so
+    share only prompts whose labels carry no loss (RL's loss mask).
     """
-    lens = [len(s) - 1 for s in seqs]
-    if not seqs or min(lens) < 1:
+    if not seqs or min(len(s) for s in seqs) < 2:
         raise ValueError("a pack needs at least one sequence, each of >= 2 tokens")
-    pad = -sum(lens) % multiple
-    spans = lens + ([pad] if pad else [])
+    for name, per_seq in (label_fields or {}).items():
+        for i, (vals, s) in enumerate(zip(per_seq, seqs)):
+            if len(vals) != len(s) - 1:
+                raise ValueError(f"{name} of sequence {i} has {len(vals)} values for "
+                                 f"{len(s) - 1} labels")
+    segs = _segments(seqs, prompt_lens)
+    spans = [b - a for _, a, b, _, _ in segs]
+    pad = -sum(spans) % multiple
     out: dict = {
-        "tokens": list(chain.from_iterable(s[:-1] for s in seqs)) + [pad_id] * pad,
-        "labels": list(chain.from_iterable(s[1:] for s in seqs)) + [pad_id] * pad,
+        "tokens": [t for i, a, b, _, _ in segs for t in seqs[i][a:b]] + [pad_id] * pad,
+        "labels": [t for i, a, b, _, _ in segs for t in seqs[i][a + 1:b + 1]] + [pad_id] * pad,
+        "position_ids": [t for _, a, b, _, _ in segs for t in range(a, b)] + list(range(pad)),
+        "segment_ids": [sid for _, a, b, _, sid in segs for _ in range(a, b)] + [-1] * pad,
     }
     out = {k: torch.tensor(v, dtype=torch.long)[None] for k, v in out.items()}
     for name, per_seq in (label_fields or {}).items():
-        for i, (vals, n) in enumerate(zip(per_seq, lens)):
-            if len(vals) != n:
-                raise ValueError(f"{name} of sequence {i} has {len(vals)} values for {n} labels")
-        out[name] = torch.tensor(list(chain.from_iterable(per_seq)) + [0.0] * pad,
-                                 dtype=torch.float)[None]
-    sizes = torch.tensor(spans)
+        vals = [v for i, a, b, _, _ in segs for v in per_seq[i][a:b]] + [0.0] * pad
+        out[name] = torch.tensor(vals, dtype=torch.float)[None]
+    spans += [pad] if pad else []
     cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
-    cu[1:] = sizes.cumsum(0)
-    starts = torch.repeat_interleave(cu[:-1].long(), sizes)
-    out["position_ids"] = (torch.arange(int(cu[-1])) - starts)[None]
-    seg = torch.repeat_interleave(torch.arange(len(spans)), sizes)
-    out["segment_ids"] = torch.where(seg < len(seqs), seg, -1)[None]
+    cu[1:] = torch.tensor(spans).cumsum(0)
     out["cu_seqlens"], out["max_seqlen"] = cu, max(spans)
+    if any(parent >= 0 for _, _, _, parent, _ in segs):
+        out["parent_segment"] = torch.tensor([s[3] for s in segs] + [-1] * bool(pad))
     return out
+
+
+def pack_positions(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int] | None = None
+                   ) -> int:
+    """Next-token positions that :func:`thd_pack` gives ``seqs`` (before padding)."""
+    return sum(b - a for _, a, b, _, _ in _segments(seqs, prompt_lens))
+
+
+def _segments(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int] | None
+              ) -> list[tuple[int, int, int, int, int]]:
+    """The pack's segments: (sequence, first input token, end, parent segment, segment id).
+    A segment's inputs are ``seq[a:b]``, its labels ``seq[a + 1:b + 1]``, its positions
+    ``a..b-1``."""
+    segs: list[tuple[int, int, int, int, int]] = []
+    i = 0
+    while i < len(seqs):
+        p = prompt_lens[i] if prompt_lens is not None else 0
+        j = i + 1  # the run of sequences after i that start with the same prompt
+        while (1 < p and j < len(seqs) and prompt_lens[j] == p
+               and list(seqs[j][:p]) == list(seqs[i][:p])):
+            j += 1
+        if j - i > 1 and all(len(seqs[k]) > p for k in range(i, j)):
+            prefix = len(segs)
+            segs.append((i, 0, p - 1, -1, -1))
+            segs += [(k, p - 1, len(seqs[k]) - 1, prefix, k) for k in range(i, j)]
+        else:
+            segs += [(k, 0, len(seqs[k]) - 1, -1, k) for k in range(i, j)]
+        i = j
+    return segs
 
 
 def build_packed_batch(samples: Sequence[tuple[list[int], list[int]]]

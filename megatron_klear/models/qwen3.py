@@ -359,7 +359,7 @@ def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: 
         raise ConfigError(f"--context-parallel-size {config.context_parallel_size} needs "
                           "--transformer-impl transformer_engine (the local attention cannot "
                           "attend across CP ranks)")
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config, transformer_impl, vp_stage),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
@@ -372,3 +372,8 @@ def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: 
         rotary_base=int(arch.rope_theta),
         vp_stage=vp_stage,
     )
+    if not arch.rope_scaling:  # prompt sharing: branches continue their prompt's positions
+        for module in model.modules():
+            if isinstance(module, VarlenCoreAttention):
+                module.position_emb = model.rotary_pos_emb.get_emb
+    return model

@@ -8,15 +8,25 @@ within each sequence of ``cu_seqlens`` only. Sequences of similar length are gat
 small right-padded groups (one causal scaled-dot-product call per group, no mask), so memory
 is linear in the pack length apart from each sequence's own ``len x len`` scores, never ``T x T``.
 
+Prompt sharing (RL, ``--share-prompts``): the n samples of a prompt carry it once, as a
+prefix segment plus one branch segment per sample (:func:`~megatron_klear.data.packing.thd_pack`
+with ``prompt_lens``). A branch attends to its prefix, then causally to itself, and its RoPE
+positions continue the prefix's; this is a tree mask, which TE's THD attention cannot express,
+so prompt sharing is a local-spec feature.
+
 Without ``packed_seq_params`` it is megatron's ``DotProductAttention`` unchanged. On GPU the
 Transformer Engine spec serves packs with TE's own THD attention instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
@@ -49,11 +59,14 @@ def length_groups(lengths: list[int], num_heads: int, slack: float = GROUP_SLACK
 
 
 def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, *,
-                            scale: float, dropout_p: float = 0.0) -> Tensor:
+                            scale: float, dropout_p: float = 0.0,
+                            parents: list[int] | None = None) -> Tensor:
     """Causal attention inside each sequence of a pack.
 
     ``query`` [T, heads, d], ``key``/``value`` [T, groups, d] (grouped-query attention when
-    groups < heads), ``cu_seqlens`` [n + 1] covering all T tokens. Returns [T, heads, d].
+    groups < heads), ``cu_seqlens`` [n + 1] covering all T tokens. ``parents`` (prompt
+    sharing, see :func:`~megatron_klear.data.packing.thd_pack`): segment i attends to all of
+    segment ``parents[i]`` before its own tokens (-1: none). Returns [T, heads, d].
     """
     total = query.shape[0]
     bounds = cu_seqlens.tolist()
@@ -61,30 +74,70 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
         raise ValueError(f"cu_seqlens must run from 0 to the pack length {total}; got "
                          f"{bounds[0]}..{bounds[-1]}")
     starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]
-    gqa = query.shape[1] != key.shape[1]
+    parents = parents or [-1] * len(lengths)
+    context = [lengths[p] if p >= 0 else 0 for p in parents]
     outs, where = [], []
-    for members in length_groups(lengths, query.shape[1]):
-        top = lengths[members[0]]
-        lens = torch.tensor([lengths[i] for i in members])
-        first = torch.tensor([starts[i] for i in members])
-        steps = torch.arange(top)
-        valid = steps[None, :] < lens[:, None]                       # [g, L]
-        idx = torch.where(valid, first[:, None] + steps[None, :], first[:, None])
-        q, k, v = (x[idx].transpose(1, 2) for x in (query, key, value))  # [g, heads, L, d]
-        # the causal kernel, no mask: a member's padding follows its last token, so a real
-        # query (before it) never sees a padding key; padding queries are dropped below, and
-        # with zero probability and zero output gradient they pass no gradient either
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                           scale=scale, enable_gqa=gqa)
-        outs.append(o.transpose(1, 2)[valid])                        # [tokens, heads, d]
-        where.append(idx[valid])
+    plain, branches = ([i for i, c in enumerate(context) if bool(c) == b] for b in (False, True))
+    for kind in (plain, branches):
+        spans = [lengths[i] + context[i] for i in kind]
+        for group in length_groups(spans, query.shape[1]):
+            members = [kind[g] for g in group]
+            out, idx = _group_attention(query, key, value, [starts[i] for i in members],
+                                        [lengths[i] for i in members],
+                                        [starts[parents[i]] for i in members],
+                                        [context[i] for i in members], scale, dropout_p)
+            outs.append(out)
+            where.append(idx)
     order = torch.empty(total, dtype=torch.long)
     order[torch.cat(where)] = torch.arange(total)
     return torch.cat(outs)[order]
 
 
+def _group_attention(query: Tensor, key: Tensor, value: Tensor, first: list[int],
+                     lengths: list[int], context_first: list[int], context: list[int],
+                     scale: float, dropout_p: float) -> tuple[Tensor, Tensor]:
+    """One scaled-dot-product call for a group of segments, right-padded to the longest:
+    member m's keys are its context (``context[m]`` tokens from ``context_first[m]``), then
+    its own tokens. Returns its real queries' outputs [tokens, heads, d] and their indices."""
+    lens, ctx = torch.tensor(lengths), torch.tensor(context)
+    first_t, ctx_first = torch.tensor(first), torch.tensor(context_first)
+    steps = torch.arange(int(lens.max()))
+    valid = steps[None, :] < lens[:, None]                                   # [g, Lq]
+    q_idx = torch.where(valid, first_t[:, None] + steps[None, :], first_t[:, None])
+    k_steps = torch.arange(int((lens + ctx).max()))[None, :]                 # [1, Lk]
+    own = first_t[:, None] + k_steps - ctx[:, None]
+    k_idx = torch.where(k_steps < ctx[:, None], ctx_first[:, None] + k_steps, own)
+    k_idx = torch.where(k_steps < (ctx + lens)[:, None], k_idx, first_t[:, None])
+    q = query[q_idx].transpose(1, 2)                                         # [g, heads, Lq, d]
+    k, v = (x[k_idx].transpose(1, 2) for x in (key, value))
+    gqa = query.shape[1] != key.shape[1]
+    if not ctx.any():
+        # the causal kernel, no mask: a member's padding follows its last token, so a real
+        # query (before it) never sees a padding key; padding queries are dropped below, and
+        # with zero probability and zero output gradient they pass no gradient either
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                           scale=scale, enable_gqa=gqa)
+    else:  # query t of member m sees its context and its own tokens up to t
+        mask = k_steps[:, None, :] <= ctx[:, None, None] + steps[None, :, None]  # [g, Lq, Lk]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                           dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    return o.transpose(1, 2)[valid], q_idx[valid]
+
+
+@dataclass
+class SharedPrefixParams(PackedSeqParams):
+    """A THD pack with prompt sharing: ``parent_segment[i]`` is the segment that segment i
+    sees before its own tokens, and whose positions it continues (-1: none)."""
+
+    parent_segment: Tensor | None = None
+
+
 class VarlenCoreAttention(DotProductAttention):
-    """megatron's DotProductAttention plus THD packs (attention within each sequence)."""
+    """megatron's DotProductAttention plus THD packs (attention within each sequence) and
+    prompt sharing (:class:`SharedPrefixParams`)."""
+
+    # the model's RoPE table, ``get_emb(n)`` -> [n, 1, 1, d] (set by models.qwen3.build_gpt_model)
+    position_emb: Callable[[int], Tensor] | None = None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias: Tensor | None = None,
@@ -96,8 +149,32 @@ class VarlenCoreAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
             raise ValueError("VarlenCoreAttention serves qkv_format 'thd' packs without "
                              f"attention_bias (got {packed_seq_params.qkv_format!r})")
+        parents = getattr(packed_seq_params, "parent_segment", None)
+        if parents is not None:
+            parents = parents.tolist()
+            query, key = self._continue_positions(query, key, packed_seq_params, parents)
         p = self.attention_dropout.p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork():
             out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                          scale=self.softmax_scale, dropout_p=p)
+                                          scale=self.softmax_scale, dropout_p=p, parents=parents)
         return out.reshape(out.shape[0], -1)
+
+    def _continue_positions(self, query: Tensor, key: Tensor, params: PackedSeqParams,
+                            parents: list[int]) -> tuple[Tensor, Tensor]:
+        """Rotate each branch's queries and keys on by its prefix's length: megatron's THD RoPE
+        starts every segment at position 0, a branch continues its prompt."""
+        if self.position_emb is None:
+            raise ValueError("prompt sharing needs the model's plain RoPE table on the core "
+                             "attention (models.qwen3.build_gpt_model sets it; rope scaling "
+                             "such as yarn is not supported): drop --share-prompts")
+        cu = params.cu_seqlens_q.tolist()
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        shift = torch.repeat_interleave(torch.tensor([lengths[p] if p >= 0 else 0
+                                                      for p in parents]), torch.tensor(lengths))
+        table = self.position_emb(int(shift.max()) + 1)
+        emb = table[shift.to(table.device)]                                  # [T, 1, 1, d]
+
+        def rotate(t: Tensor) -> Tensor:
+            return apply_rotary_pos_emb(t.unsqueeze(1), emb, self.config).squeeze(1)
+
+        return rotate(query), rotate(key)

@@ -202,14 +202,20 @@ class Engine:
 
 def packed_seq_params(batch: MicroBatch):
     """megatron's THD ``PackedSeqParams`` of a packed micro-batch (one with ``cu_seqlens``,
-    see :mod:`megatron_klear.data.packing`), or None for a plain causal batch."""
+    see :mod:`megatron_klear.data.packing`; with prompt sharing, ``SharedPrefixParams``), or
+    None for a plain causal batch."""
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_klear.models.varlen_attention import SharedPrefixParams
 
     if "cu_seqlens" not in batch:
         return None
     cu, longest = batch["cu_seqlens"], int(batch["max_seqlen"])
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    thd = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+               max_seqlen_kv=longest)
+    if "parent_segment" in batch:
+        return SharedPrefixParams(**thd, parent_segment=batch["parent_segment"])
+    return PackedSeqParams(**thd)
 
 
 def schedule_shape(microbatches: list[MicroBatch], config) -> tuple[int, int]:

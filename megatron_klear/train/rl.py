@@ -21,7 +21,7 @@ from megatron_klear.algo.losses import sft_loss
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
-from megatron_klear.data.packing import balance, pack_bins, thd_pack
+from megatron_klear.data.packing import balance, pack_bins, pack_positions, thd_pack
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
@@ -118,6 +118,8 @@ class RLConfig(TrainConfig):
                                          "--micro-batch-size sequences per micro-batch")
     pack_sequences: bool = opt(True, "THD packs without padding (--no-pack-sequences: "
                                "micro-batches right-padded to the longest sequence)")
+    share_prompts: bool = opt(False, "carry each prompt once per pack for its n samples (a "
+                              "tree mask: --transformer-impl local only; docs/training.md)")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -151,6 +153,12 @@ class RLConfig(TrainConfig):
             if not self.pack_sequences:
                 raise ConfigError("--max-tokens-per-gpu packs sequences; drop "
                                   "--no-pack-sequences")
+        if self.share_prompts and (not self.pack_sequences
+                                   or self.transformer_impl != "local"):
+            raise ConfigError("--share-prompts needs THD packs in the local spec (Transformer "
+                              "Engine's THD attention cannot express its tree mask): drop "
+                              "--no-pack-sequences / use --transformer-impl local, or drop "
+                              "--share-prompts")
 
     def correction(self) -> RolloutCorrection | None:
         """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
@@ -215,42 +223,80 @@ def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_i
 def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
                       pad_id: int) -> list[dict]:
     """THD micro-batches of ``rows`` without padding: ``--micro-batch-size`` sequences each,
-    or, with ``--max-tokens-per-gpu``, first-fit-decreasing packs under that token budget."""
-    lengths = row_lengths(batch, rows)
-    if cfg.max_tokens_per_gpu:
-        budget = cfg.max_tokens_per_gpu - cfg.max_tokens_per_gpu % cfg.tensor_model_parallel_size
-        if max(lengths) - 1 > budget:
+    or, with ``--max-tokens-per-gpu``, first-fit-decreasing packs under that token budget
+    (with ``--share-prompts``, of prompt units, each prompt carried once)."""
+    units = prompt_units(batch, rows, cfg)
+    budget = token_budget(cfg)
+    if budget is not None:
+        sizes = [unit_positions(batch, u, cfg.share_prompts) for u in units]
+        if max(sizes) > budget:
             raise ConfigError(f"--max-tokens-per-gpu {cfg.max_tokens_per_gpu} is smaller than a "
-                              f"rollout sequence of {max(lengths) - 1} tokens; raise it to at "
+                              f"rollout sequence of {max(sizes)} tokens; raise it to at "
                               "least the longest prompt + --rollout-max-response-len")
-        groups = pack_bins(lengths, budget, window=None)
+        groups = [[r for u in b for r in units[u]]
+                  for b in pack_bins([n + 1 for n in sizes], budget, window=None)]
     else:
-        groups = [list(range(s, min(s + cfg.micro_batch_size, len(rows))))
+        rows = [r for u in units for r in u]
+        groups = [rows[s:s + cfg.micro_batch_size]
                   for s in range(0, len(rows), cfg.micro_batch_size)]
     out = []
     for group in groups:
-        seqs, fields = zip(*(sample_fields(batch, rows[j]) for j in group))
+        seqs, fields = zip(*(sample_fields(batch, r) for r in group))
         out.append(thd_pack(seqs, {k: [f[k] for f in fields] for k in FIELDS}, pad_id=pad_id,
-                            multiple=cfg.tensor_model_parallel_size))
+                            multiple=cfg.tensor_model_parallel_size,
+                            prompt_lens=[len(batch.prompt_ids[r]) for r in group]
+                            if cfg.share_prompts else None))
     return out
+
+
+def token_budget(cfg: "RLConfig") -> int | None:
+    """Next-token positions per micro-batch under ``--max-tokens-per-gpu`` (a multiple of the
+    TP size), or None."""
+    if not cfg.max_tokens_per_gpu:
+        return None
+    return cfg.max_tokens_per_gpu - cfg.max_tokens_per_gpu % cfg.tensor_model_parallel_size
+
+
+def prompt_units(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig") -> list[list[int]]:
+    """``rows`` in the pieces that train together: with ``--share-prompts`` the runs of rows
+    of one prompt (split where the run's pack would exceed the token budget), else each row
+    alone."""
+    if not cfg.share_prompts:
+        return [[r] for r in rows]
+    budget, units = token_budget(cfg), []
+    for r in rows:
+        if units and batch.prompt_ids[units[-1][0]] == batch.prompt_ids[r] and (
+                budget is None or unit_positions(batch, units[-1] + [r], True) <= budget):
+            units[-1].append(r)
+        else:
+            units.append([r])
+    return units
+
+
+def unit_positions(batch: RolloutBatch, rows: Sequence[int], share: bool) -> int:
+    """Next-token positions of ``rows`` in one pack, prompts shared or not."""
+    return pack_positions([batch.prompt_ids[r] + batch.response_ids[r] for r in rows],
+                          [len(batch.prompt_ids[r]) for r in rows] if share else None)
 
 
 def rollout_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
                          pad_id: int) -> list[dict]:
     """This DP rank's micro-batches of the mini-batch ``rows``, packed or padded."""
-    mine = dp_rows(rows, row_lengths(batch, rows))
     if cfg.pack_sequences:
-        return pack_microbatches(batch, mine, cfg, pad_id)
+        units = prompt_units(batch, rows, cfg)
+        mine = dp_rows(units, [unit_positions(batch, u, cfg.share_prompts) for u in units])
+        return pack_microbatches(batch, [r for u in mine for r in u], cfg, pad_id)
+    mine = dp_rows(rows, row_lengths(batch, rows))
     seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
     return pad_microbatches(batch, mine, cfg.micro_batch_size, pad_id, seq_len)
 
 
-def dp_rows(rows: Sequence[int], lengths: Sequence[int]) -> list[int]:
-    """This data-parallel rank's share of ``rows`` (``lengths`` their token counts), balanced
-    by tokens so the ranks reach the gradient all-reduce together (:func:`balance`: longest
-    first onto the rank with the fewest tokens, as slime's balanced split). The loss stays
-    exact however rows are split: every rank divides by the mini-batch's token count.
-    Returned in batch order."""
+def dp_rows(rows: Sequence, lengths: Sequence[int]) -> list:
+    """This data-parallel rank's share of ``rows`` (or of prompt units; ``lengths`` their
+    token counts), balanced by tokens so the ranks reach the gradient all-reduce together
+    (:func:`balance`: longest first onto the rank with the fewest tokens, as slime's balanced
+    split). The loss stays exact however rows are split: every rank divides by the
+    mini-batch's token count. Returned in batch order."""
     owner = balance(lengths, parallel_state.get_data_parallel_world_size())
     r = parallel_state.get_data_parallel_rank()
     return [row for row, o in zip(rows, owner) if o == r]
@@ -392,6 +438,10 @@ def train(cfg: RLConfig) -> list[dict]:
     from megatron_klear.rollout.weight_sync import WeightSync
 
     arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
+    if cfg.share_prompts and arch.rope_scaling:
+        raise ConfigError(f"--share-prompts continues a prompt's RoPE positions in its samples' "
+                          f"branches, which needs plain RoPE; {cfg.hf_checkpoint}/config.json "
+                          "sets rope_scaling: drop --share-prompts")
     tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template)
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
