@@ -62,7 +62,8 @@ def sft_args(out: Path, args: argparse.Namespace) -> list[str]:
 
 
 def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> list[str]:
-    """klear-rl flags of the quickstart: GPPO at TP=2 with one embedded rollout server.
+    """klear-rl flags of the quickstart: GPPO at TP=2 with one embedded rollout server, each
+    prompt trained once for its 8 samples (``--share-prompts``).
 
     ``start`` is the SFT model that RL begins from (default ``out/sft_hf``) and the prompts
     are read from beside it, so several RL runs can share one SFT stage."""
@@ -70,7 +71,7 @@ def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> l
     return ["--hf-checkpoint", str(start), "--prompt-data", str(start.parent / "data" / "rl.jsonl"),
             "--tensor-model-parallel-size", "2", "--reward", "math",
             "--rollout-batch-size", "32", "--mini-batch-size", "16", "--n-samples-per-prompt", "8",
-            "--micro-batch-size", "32", "--rollout-max-response-len", "48",
+            "--micro-batch-size", "32", "--rollout-max-response-len", "48", "--share-prompts",
             "--lr", str(args.rl_lr), "--train-iters", str(args.rl_iters), "--seed", str(args.seed),
             "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"]
 
