@@ -321,17 +321,6 @@ def test_sync_failure_resumes_servers_and_restarted_server_rejoins(model_dir, tm
     assert got["versions"] == ["v3", "v3"]
 
 
-class _FilledBroadcast:
-    """Stands in for the gloo group on the receiving side: ``broadcast`` fills the tensor in
-    place with the sender's bytes, as UpdateGroup.broadcast does for a rank > 0."""
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        tensor.copy_(self.data)
-
-
 def test_embedded_server_receives_flat_buckets_without_copies(model_dir):
     """Parameters become views of the received bucket; the next bucket goes into the other
     pooled buffer (never the one backing the live parameters); the third reuses the first."""
@@ -343,7 +332,8 @@ def test_embedded_server_receives_flat_buckets_without_copies(model_dir):
     storage = []
     for value in (1.0, 2.0, 3.0):
         sent = torch.cat([torch.full(s, value).flatten() for _, _, s in specs])
-        gen.receive_weights(_FilledBroadcast(sent.view(torch.uint8)), specs, flattened=True)
+        with gen.receiving(specs, flattened=True) as (buf,):  # what the broadcast fills in
+            buf.copy_(sent.view(torch.uint8))
         assert all(torch.all(gen.params[n] == value) for n in names)
         ptrs = {gen.params[n].untyped_storage().data_ptr() for n in names}
         assert len(ptrs) == 1  # both are views of one received buffer: nothing copied

@@ -231,7 +231,7 @@ class WeightSync:
         self.group: UpdateGroup | None = None
         self._client: RolloutClient | None = None
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
-        self._http = concurrent.futures.ThreadPoolExecutor(1)  # the request in flight
+        self._http = concurrent.futures.ThreadPoolExecutor(1)  # init requests
         # packs bucket k+1 while bucket k is on the wire, at the lowest priority
         self._packer = concurrent.futures.ThreadPoolExecutor(1, initializer=lowest_cpu_priority)
         from megatron_klear.checkpoint.hf_bridge import export_entries, export_gathers
@@ -576,8 +576,7 @@ class WeightSync:
         requests in either order, and a server in the wrong bucket's broadcast deadlocks
         the group."""
         payload = dict(bucket.payload, weight_version=weight_version)
-        reply = self._http.submit(self.client.post_all, "/update_weights_from_distributed",
-                                  payload)
+        reply = self.client.post_all_nowait("/update_weights_from_distributed", payload)
         works = [self.group.broadcast(t if t.device == self.device else t.to(self.device),
                                       async_op=True) for t in tensors]
         return reply, works, bucket.nbytes
