@@ -339,11 +339,20 @@ def test_embedded_server_receives_flat_buckets_without_copies(model_dir):
         assert len(ptrs) == 1  # both are views of one received buffer: nothing copied
         storage.append(ptrs.pop())
         if value == 2.0:  # the first buffer was not received into while it backed params
-            old = gen._recv_pool[names[0]][0]
+            old = gen._recv_pool[names[0]][0][0]  # [buffer, names]
             assert old.untyped_storage().data_ptr() == storage[0]
             assert torch.all(old[:4].view(torch.float32) == 1.0)
     assert storage[0] != storage[1] and storage[2] == storage[0]
     assert len(gen._recv_pool[names[0]]) == 2
+    # the plan changes: names[1] alone (a bucket of its own), then both again; names[0] still
+    # backs onto storage[2], which the next receive of both must not overwrite
+    for group, value in ((specs[1:], 4.0), (specs, 5.0)):
+        with gen.receiving(group, flattened=True) as (buf,):
+            buf.copy_(torch.cat([torch.full(s, value).flatten() for _, _, s in group])
+                      .view(torch.uint8))
+        assert torch.all(gen.params[names[1]] == value)
+        assert torch.all(gen.params[names[0]] == (3.0 if value == 4.0 else 5.0))
+    assert gen.params[names[0]].untyped_storage().data_ptr() == storage[1]
 
 
 def test_packer_thread_runs_at_lowest_cpu_priority():

@@ -87,7 +87,7 @@ class Generator:
         self.lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(seed)
         self.params = dict(self.model.named_parameters()) | expert_views(self.model)
-        self._recv_pool: dict[str, list[torch.Tensor]] = {}  # flat buckets (receiving)
+        self._recv_pool: dict[str, list[list]] = {}  # flat buckets (receiving)
 
     def _eos_ids(self) -> set[int]:
         eos = self.config.eos_token_id
@@ -251,10 +251,10 @@ class Generator:
         errors = [e for e in (self._check_spec(n, shape) for n, _, shape in specs) if e]
         if flattened:
             sizes = [torch.Size(shape).numel() * dt.itemsize for _, dt, shape in specs]
-            buf = self._free_buffer(specs[0][0], sum(sizes))
-            yield [buf]
+            slot = self._free_buffer(specs[0][0], sum(sizes))
+            yield [slot[0][:sum(sizes)]]
             if not errors:
-                self._load_flat(specs, sizes, buf)
+                self._load_flat(specs, sizes, slot)
         else:
             direct = [not errors and self.params[n].dtype == dt
                       and self.params[n].is_contiguous() for n, dt, _ in specs]
@@ -280,30 +280,40 @@ class Generator:
         return None
 
     def _load_flat(self, specs: list[tuple[str, torch.dtype, tuple]], sizes: list[int],
-                   buf: torch.Tensor) -> None:
-        offset = 0
+                   slot: list) -> None:
+        """Parameters become views of the received bytes (``slot``: [buffer, names]); the
+        names of those that did are kept with the buffer for :meth:`_free_buffer`."""
+        buf, views, offset = slot[0], [], 0
         with self.lock:
             for (name, dtype, shape), size in zip(specs, sizes):
                 received = buf[offset:offset + size].view(dtype).view(shape)
                 param = self.params[name]
                 if isinstance(param, torch.nn.Parameter) and param.dtype == dtype:
                     param.data = received
+                    views.append(name)
                 else:
                     param.copy_(received)
                 offset += size
+        slot[1] = views
 
-    def _free_buffer(self, key: str, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer of ``nbytes`` that no parameter is a view of, from the two pooled
-        for the bucket ``key`` (its first tensor's name: the same bucket comes every sync, so
-        pages are reused, not faulted in again; the other one backs the live parameters)."""
-        in_use = {p.untyped_storage().data_ptr() for p in self.params.values()}
+    def _free_buffer(self, key: str, nbytes: int) -> list:
+        """[a uint8 buffer of ``nbytes`` that no parameter is a view of, names]: one of the
+        two pooled for the bucket ``key`` (its first tensor's name: the same bucket comes
+        every sync, so pages are reused, not faulted in again; the other one backs the live
+        parameters). Only :meth:`_load_flat` makes a parameter a view of a pooled buffer, so
+        the parameters it made views of that buffer the last time are the only ones to check
+        (a few per bucket instead of every parameter per request)."""
+        def in_use(slot: list) -> bool:
+            ptr = slot[0].untyped_storage().data_ptr()
+            return any(self.params[n].untyped_storage().data_ptr() == ptr for n in slot[1])
+
         pool = self._recv_pool.setdefault(key, [])
-        free = [b for b in pool if b.untyped_storage().data_ptr() not in in_use]
-        fits = next((b for b in free if b.numel() >= nbytes), None)
+        free = [slot for slot in pool if not in_use(slot)]
+        fits = next((slot for slot in free if slot[0].numel() >= nbytes), None)
         if fits is None:
-            fits = torch.empty(nbytes, dtype=torch.uint8)
+            fits = [torch.empty(nbytes, dtype=torch.uint8), []]
             if free:  # a free one too small: replaced
-                pool[:] = [b for b in pool if b is not free[0]]
+                pool[:] = [slot for slot in pool if slot is not free[0]]
             if len(pool) < 2:  # else both back parameters: this one is not pooled
                 pool.append(fits)
-        return fits[:nbytes]
+        return fits
