@@ -76,7 +76,7 @@ FIRST_BUCKET_FRACTION = 8
 # a run of tensors adjacent in parameter memory at least this big is a bucket of its own, sent
 # with no pack; smaller runs are packed. Each bucket costs a request round trip (about 2 ms
 # here): measured, all runs direct lost at Qwen3-0.6B's 22 MiB per layer (median 0.76 vs 0.84
-# of the raw broadcast; 0.75-0.78 vs 0.79-0.83 with about 2 ms per request, docs/rollout.md)
+# of the raw broadcast; 0.75-0.78 vs 0.79-0.87 with about 2 ms per request, docs/rollout.md)
 # and won at Qwen3-1.7B's 80 MiB (0.92 vs 0.80) and 4B's 162 MiB
 MIN_DIRECT_BYTES = 64 * 2**20
 
