@@ -63,6 +63,9 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--width", choices=tuple(WIDTHS), default="0.6b",
                    help="dense: the layer width of this Qwen3 (the bytes of one layer's run of "
                         "adjacent tensors; use fewer --num-layers for the wider ones)")
+    p.add_argument("--min-direct-mb", type=float, default=None,
+                   help="WeightSync min_direct_bytes in MiB (default: MIN_DIRECT_BYTES); runs "
+                        "of adjacent tensors at least this big are sent with no pack")
     return p.parse_args()
 
 
@@ -168,6 +171,8 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[tuple[str, str], dict
     os.environ["MASTER_PORT"] = str(free_port())
     initialize_parallel(tp=1, pp=1)
     runs: dict[tuple[str, str], dict] = {}
+    direct = {} if args.min_direct_mb is None else \
+        {"min_direct_bytes": int(args.min_direct_mb * 2**20)}
     with launch_embedded_servers(model_dir, 1, dtype="bfloat16", load_format="dummy",
                                  startup_timeout_s=600) as servers:
         for layout, distributed_optimizer in LAYOUTS.items():
@@ -175,7 +180,7 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[tuple[str, str], dict
             for fmt in (f for lay, f in CASES if lay == layout):
                 sync = WeightSync(servers.urls, model, arch,
                                   bucket_bytes=args.bucket_mb * 2**20,
-                                  load_format=FORMATS[fmt])
+                                  load_format=FORMATS[fmt], **direct)
                 sync.connect()
                 for i in range(WARMUP_SYNCS):
                     sync.sync(f"warmup{i}")
@@ -199,7 +204,8 @@ def main() -> None:
     shape = "Qwen3-MoE (16 experts x 192 per layer) of Qwen3-0.6B's bytes" \
         if args.model == "moe" else f"Qwen3-{args.width.upper()} layer width"
     print(f"model: {shape}, {args.num_layers} layers, bf16, {nbytes / 1e9:.3f} GB; "
-          f"bucket {args.bucket_mb} MiB; {args.repeats} (sync, raw) pairs after {WARMUP_SYNCS} "
+          f"bucket {args.bucket_mb} MiB; min direct run {args.min_direct_mb or 'default'} MiB; "
+          f"{args.repeats} (sync, raw) pairs after {WARMUP_SYNCS} "
           f"warm-up syncs; "
           f"load average {os.getloadavg()[0]:.1f}")
     for layout, fmt in CASES:

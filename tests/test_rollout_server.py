@@ -327,7 +327,7 @@ def test_retract_pause_reprefills_with_the_new_weights(model_dir, reference, tmp
 
         def wait(self, timeout=None):
             self.calls += 1
-            if self.calls == 4:  # a weight update as receive_weights loads it, under the lock
+            if self.calls == 4:  # a weight update as Generator.receiving loads it, under the lock
                 with gen.lock:
                     for name, p in new_ref.named_parameters():
                         gen.params[name].copy_(p)

@@ -321,17 +321,6 @@ def test_sync_failure_resumes_servers_and_restarted_server_rejoins(model_dir, tm
     assert got["versions"] == ["v3", "v3"]
 
 
-class _FilledBroadcast:
-    """Stands in for the gloo group on the receiving side: ``broadcast`` fills the tensor in
-    place with the sender's bytes, as UpdateGroup.broadcast does for a rank > 0."""
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        tensor.copy_(self.data)
-
-
 def test_embedded_server_receives_flat_buckets_without_copies(model_dir):
     """Parameters become views of the received bucket; the next bucket goes into the other
     pooled buffer (never the one backing the live parameters); the third reuses the first."""
@@ -343,17 +332,27 @@ def test_embedded_server_receives_flat_buckets_without_copies(model_dir):
     storage = []
     for value in (1.0, 2.0, 3.0):
         sent = torch.cat([torch.full(s, value).flatten() for _, _, s in specs])
-        gen.receive_weights(_FilledBroadcast(sent.view(torch.uint8)), specs, flattened=True)
+        with gen.receiving(specs, flattened=True) as (buf,):  # what the broadcast fills in
+            buf.copy_(sent.view(torch.uint8))
         assert all(torch.all(gen.params[n] == value) for n in names)
         ptrs = {gen.params[n].untyped_storage().data_ptr() for n in names}
         assert len(ptrs) == 1  # both are views of one received buffer: nothing copied
         storage.append(ptrs.pop())
         if value == 2.0:  # the first buffer was not received into while it backed params
-            old = gen._recv_pool[names[0]][0]
+            old = gen._recv_pool[names[0]][0][0]  # [buffer, names]
             assert old.untyped_storage().data_ptr() == storage[0]
             assert torch.all(old[:4].view(torch.float32) == 1.0)
     assert storage[0] != storage[1] and storage[2] == storage[0]
     assert len(gen._recv_pool[names[0]]) == 2
+    # the plan changes: names[1] alone (a bucket of its own), then both again; names[0] still
+    # backs onto storage[2], which the next receive of both must not overwrite
+    for group, value in ((specs[1:], 4.0), (specs, 5.0)):
+        with gen.receiving(group, flattened=True) as (buf,):
+            buf.copy_(torch.cat([torch.full(s, value).flatten() for _, _, s in group])
+                      .view(torch.uint8))
+        assert torch.all(gen.params[names[1]] == value)
+        assert torch.all(gen.params[names[0]] == (3.0 if value == 4.0 else 5.0))
+    assert gen.params[names[0]].untyped_storage().data_ptr() == storage[1]
 
 
 def test_packer_thread_runs_at_lowest_cpu_priority():

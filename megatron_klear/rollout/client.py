@@ -300,6 +300,17 @@ class RolloutClient:
         of being raised, so the request is still made on every other server."""
         return self._run_sync(self._all("POST", path, payload, return_errors))
 
+    def post_all_nowait(self, path: str, payload: dict | None = None
+                        ) -> concurrent.futures.Future:
+        """:meth:`post_all` without blocking: the future of its replies, set by the
+        :meth:`keep_alive` loop that sends the requests (no other thread in between; a weight
+        sync's per-bucket request). Only inside ``keep_alive``."""
+        if self._kept is None:
+            raise RuntimeError("post_all_nowait runs on the keep_alive() loop: call it inside "
+                               "`with client.keep_alive():`")
+        return asyncio.run_coroutine_threadsafe(self._all("POST", path, payload),
+                                                self._kept.loop)
+
     def get_all(self, path: str) -> dict[str, Any]:
         """GET ``path`` on every server concurrently: {url: reply}."""
         return self._run_sync(self._all("GET", path, None))

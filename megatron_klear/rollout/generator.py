@@ -10,7 +10,9 @@ batch is prefilled again with the new weights.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,7 +87,7 @@ class Generator:
         self.lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(seed)
         self.params = dict(self.model.named_parameters()) | expert_views(self.model)
-        self._recv_pool: dict[str, list[torch.Tensor]] = {}  # flat buckets (_receive_flat)
+        self._recv_pool: dict[str, list[list]] = {}  # flat buckets (receiving)
 
     def _eos_ids(self) -> set[int]:
         eos = self.config.eos_token_id
@@ -227,23 +229,44 @@ class Generator:
         return self.tokenizer.decode(ids, skip_special_tokens=cfg.skip_special_tokens)
 
     # ------------------------------------------------------------------ weights
-    def receive_weights(self, group, specs: list[tuple[str, torch.dtype, tuple]],
-                        flattened: bool) -> None:
-        """Receive tensors by broadcast from the trainer (rank 0 of ``group``) and load them.
+    @contextlib.contextmanager
+    def receiving(self, specs: list[tuple[str, torch.dtype, tuple]], flattened: bool
+                  ) -> Iterator[list[torch.Tensor]]:
+        """The tensors to receive one weight-update request's broadcasts into (from the
+        trainer, rank 0 of the group), in order; they are loaded when the block ends.
 
-        Per tensor, a tensor whose name, shape and dtype match a parameter is received
-        directly into the parameter's storage (no allocation, no copy). ``flattened``: one
-        uint8 buffer with the tensors' bytes back to back, received into a pooled buffer whose
-        views then become the parameters (:meth:`_receive_flat`).
-        Name/shape errors are raised only after the whole request was received, so the
-        sender is never left hanging in its broadcast.
+        Per tensor (``flattened`` False): a tensor whose name, shape and dtype match a
+        parameter is received straight into the parameter's storage (no allocation, no
+        copy; the model lock is held for the block), others into a new tensor copied in at
+        the end. ``flattened``: one uint8 buffer holding the tensors' bytes back to back,
+        from a pool per bucket; every parameter of the same dtype then becomes a view of the
+        received bytes (no copy; others -- another dtype, fused expert views -- are copied).
+        SGLang copies instead (``FlattenedTensorBucket`` views -> ``model.load_weights``,
+        sglang/srt/weight_sync/tensor_bucket.py); the result, parameters holding the sent
+        values, is the same. The block may post every broadcast before awaiting any (as
+        SGLang's per-tensor path does, weight_updater.py). A name this model lacks or a
+        wrong shape raises ValueError only after the block (so the sender never hangs in
+        its broadcast), with nothing loaded; nothing is loaded either when the block fails.
         """
         errors = [e for e in (self._check_spec(n, shape) for n, _, shape in specs) if e]
         if flattened:
-            self._receive_flat(group, specs, load=not errors)
+            sizes = [torch.Size(shape).numel() * dt.itemsize for _, dt, shape in specs]
+            slot = self._free_buffer(specs[0][0], sum(sizes))
+            yield [slot[0][:sum(sizes)]]
+            if not errors:
+                self._load_flat(specs, sizes, slot)
         else:
-            for name, dtype, shape in specs:
-                self._receive_one(group, name, dtype, shape, load=not errors)
+            direct = [not errors and self.params[n].dtype == dt
+                      and self.params[n].is_contiguous() for n, dt, _ in specs]
+            with self.lock if any(direct) else contextlib.nullcontext():
+                tensors = [self.params[n].data if d else torch.empty(shape, dtype=dt)
+                           for (n, dt, shape), d in zip(specs, direct)]
+                yield tensors
+            if not errors:
+                with self.lock:
+                    for (name, _, _), d, t in zip(specs, direct, tensors):
+                        if not d:
+                            self.params[name].copy_(t)
         if errors:
             raise ValueError(errors[0])
 
@@ -256,57 +279,41 @@ class Generator:
                     f"the request sent {tuple(shape)}")
         return None
 
-    def _receive_one(self, group, name: str, dtype: torch.dtype, shape: tuple,
-                     load: bool) -> None:
-        param = self.params.get(name)
-        if load and param.dtype == dtype and param.is_contiguous():
-            with self.lock:
-                group.broadcast(param.data)
-            return
-        tmp = torch.empty(shape, dtype=dtype)
-        group.broadcast(tmp)
-        if load:
-            with self.lock:
-                param.copy_(tmp)
-
-    def _receive_flat(self, group, specs: list[tuple[str, torch.dtype, tuple]],
-                      load: bool) -> None:
-        """Receive one flat bucket; a parameter of the same dtype then becomes a view of the
-        received bytes (no copy), others (another dtype, fused expert views) are copied.
-
-        SGLang copies instead (``FlattenedTensorBucket`` views -> ``model.load_weights``,
-        sglang/srt/weight_sync/tensor_bucket.py); the result, parameters holding the sent
-        values, is the same. Buffers are pooled per bucket: one still backing a parameter is
-        never received into; the server holds two (this sync's and the last one's).
-        """
-        sizes = [torch.Size(shape).numel() * dt.itemsize for _, dt, shape in specs]
-        buf = self._free_buffer(specs[0][0], sum(sizes))
-        group.broadcast(buf)
-        if not load:
-            return
-        offset = 0
+    def _load_flat(self, specs: list[tuple[str, torch.dtype, tuple]], sizes: list[int],
+                   slot: list) -> None:
+        """Parameters become views of the received bytes (``slot``: [buffer, names]); the
+        names of those that did are kept with the buffer for :meth:`_free_buffer`."""
+        buf, views, offset = slot[0], [], 0
         with self.lock:
             for (name, dtype, shape), size in zip(specs, sizes):
                 received = buf[offset:offset + size].view(dtype).view(shape)
                 param = self.params[name]
                 if isinstance(param, torch.nn.Parameter) and param.dtype == dtype:
                     param.data = received
+                    views.append(name)
                 else:
                     param.copy_(received)
                 offset += size
+        slot[1] = views
 
-    def _free_buffer(self, key: str, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer of ``nbytes`` that no parameter is a view of, from the two pooled
-        for the bucket ``key`` (its first tensor's name: the same bucket comes every sync, so
-        pages are reused, not faulted in again; the other one backs the live parameters)."""
-        in_use = {p.untyped_storage().data_ptr() for p in self.params.values()}
+    def _free_buffer(self, key: str, nbytes: int) -> list:
+        """[a uint8 buffer of ``nbytes`` that no parameter is a view of, names]: one of the
+        two pooled for the bucket ``key`` (its first tensor's name: the same bucket comes
+        every sync, so pages are reused, not faulted in again; the other one backs the live
+        parameters). Only :meth:`_load_flat` makes a parameter a view of a pooled buffer, so
+        the parameters it made views of that buffer the last time are the only ones to check
+        (a few per bucket instead of every parameter per request)."""
+        def in_use(slot: list) -> bool:
+            ptr = slot[0].untyped_storage().data_ptr()
+            return any(self.params[n].untyped_storage().data_ptr() == ptr for n in slot[1])
+
         pool = self._recv_pool.setdefault(key, [])
-        free = [b for b in pool if b.untyped_storage().data_ptr() not in in_use]
-        fits = next((b for b in free if b.numel() >= nbytes), None)
+        free = [slot for slot in pool if not in_use(slot)]
+        fits = next((slot for slot in free if slot[0].numel() >= nbytes), None)
         if fits is None:
-            fits = torch.empty(nbytes, dtype=torch.uint8)
+            fits = [torch.empty(nbytes, dtype=torch.uint8), []]
             if free:  # a free one too small: replaced
-                pool[:] = [b for b in pool if b is not free[0]]
+                pool[:] = [slot for slot in pool if slot is not free[0]]
             if len(pool) < 2:  # else both back parameters: this one is not pooled
                 pool.append(fits)
-        return fits[:nbytes]
+        return fits

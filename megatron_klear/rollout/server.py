@@ -379,8 +379,8 @@ class RolloutServer:
             _check_aligned(specs)
         async with self.update_lock:
             try:
-                await asyncio.to_thread(self.gen.receive_weights, group, specs,
-                                        fmt == "flattened_bucket")
+                with self.gen.receiving(specs, fmt == "flattened_bucket") as tensors:
+                    await group.abroadcast(tensors)  # joined from this loop, all posted at once
             except ValueError as exc:
                 return web.json_response({"success": False, "message": str(exc)}, status=400)
         if body.get("weight_version") is not None:

@@ -16,6 +16,7 @@ trainer) must host its own store, so the variable is cleared for the rendezvous.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import os
@@ -93,6 +94,29 @@ class UpdateGroup:
             return work
         work.wait()
         return None
+
+    async def abroadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Broadcast each of ``tensors`` in turn from rank 0, awaited on an event loop: the
+        loop's thread posts every broadcast at once (no hop to a worker thread before the
+        sender may start, no wait between two tensors) and is woken when all completed; a
+        failed broadcast raises here."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(fut) -> None:  # on the loop: the broadcasts' outcome
+            if done.cancelled():
+                return
+            try:
+                for one in fut.value():
+                    one.value()
+                done.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting handler
+                done.set_exception(exc)
+
+        futures = [self.broadcast(t, async_op=True).get_future() for t in tensors]
+        torch.futures.collect_all(futures).add_done_callback(
+            lambda fut: loop.call_soon_threadsafe(settle, fut))
+        await done
 
     def close(self) -> None:
         """Destroy the group (as SGLang's destroy_weights_update_group does); peers that are

@@ -74,9 +74,10 @@ PROBE_METRIC = "weight_sync/probe_max_abs_diff"
 # later buckets are packed while the previous one is on the wire
 FIRST_BUCKET_FRACTION = 8
 # a run of tensors adjacent in parameter memory at least this big is a bucket of its own, sent
-# with no pack; smaller runs are packed. Each bucket costs a request round trip (about 2-4 ms
+# with no pack; smaller runs are packed. Each bucket costs a request round trip (about 2 ms
 # here): measured, all runs direct lost at Qwen3-0.6B's 22 MiB per layer (median 0.76 vs 0.84
-# of the raw broadcast) and won at Qwen3-1.7B's 80 MiB (0.92 vs 0.80) and 4B's 162 MiB
+# of the raw broadcast; 0.75-0.78 vs 0.79-0.87 with about 2 ms per request, docs/rollout.md)
+# and won at Qwen3-1.7B's 80 MiB (0.92 vs 0.80) and 4B's 162 MiB
 MIN_DIRECT_BYTES = 64 * 2**20
 
 
@@ -231,7 +232,7 @@ class WeightSync:
         self.group: UpdateGroup | None = None
         self._client: RolloutClient | None = None
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
-        self._http = concurrent.futures.ThreadPoolExecutor(1)  # the request in flight
+        self._http = concurrent.futures.ThreadPoolExecutor(1)  # init requests
         # packs bucket k+1 while bucket k is on the wire, at the lowest priority
         self._packer = concurrent.futures.ThreadPoolExecutor(1, initializer=lowest_cpu_priority)
         from megatron_klear.checkpoint.hf_bridge import export_entries, export_gathers
@@ -576,8 +577,7 @@ class WeightSync:
         requests in either order, and a server in the wrong bucket's broadcast deadlocks
         the group."""
         payload = dict(bucket.payload, weight_version=weight_version)
-        reply = self._http.submit(self.client.post_all, "/update_weights_from_distributed",
-                                  payload)
+        reply = self.client.post_all_nowait("/update_weights_from_distributed", payload)
         works = [self.group.broadcast(t if t.device == self.device else t.to(self.device),
                                       async_op=True) for t in tensors]
         return reply, works, bucket.nbytes
