@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_klear.data.packing import build_packed_batch, pack_bins, pack_positions, \
-    padding_fraction, thd_pack
+from megatron_klear.data.packing import build_packed_batch, pack_bins, padding_fraction, \
+    run_positions, thd_pack
 from tests.dist import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,8 @@ def test_thd_pack_shares_prompts_by_hand():
     assert b["m"].tolist() == [[0, 0, 1, 1, 1, 0, 1, 0]]
     assert b["cu_seqlens"].tolist() == [0, 2, 4, 5, 7, 8]
     assert b["parent_segment"].tolist() == [-1, 0, 0, -1, -1]
-    assert pack_positions(seqs, [3, 3, 2]) == 7 and pack_positions(seqs) == 9
+    assert run_positions(3, [5, 4]) + run_positions(2, [3]) == 7  # the pack's 7 positions
+    assert run_positions(3, [5]) + run_positions(3, [4]) + run_positions(2, [3]) == 9
     # different prompts of the same length, or a lone sample, are not shared
     assert "parent_segment" not in thd_pack([[1, 2, 3, 4], [1, 5, 3, 4]], prompt_lens=[3, 3])
     assert "parent_segment" not in thd_pack([[1, 2, 3, 4]], prompt_lens=[3])

@@ -108,10 +108,19 @@ def thd_pack(seqs: Sequence[Sequence[int]],
     return out
 
 
-def pack_positions(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int] | None = None
-                   ) -> int:
-    """Next-token positions that :func:`thd_pack` gives ``seqs`` (before padding)."""
-    return sum(b - a for _, a, b, _, _ in _segments(seqs, prompt_lens))
+def run_positions(prompt_len: int, lengths: Sequence[int]) -> int:
+    """Next-token positions that :func:`thd_pack` with ``prompt_lens`` gives a run of
+    sequences (``lengths`` tokens each) that start with one prompt of ``prompt_len`` tokens:
+    the prompt once when the run is shared, else every sequence whole."""
+    if _shares(prompt_len, lengths):
+        return prompt_len - 1 + sum(n - prompt_len for n in lengths)
+    return sum(n - 1 for n in lengths)
+
+
+def _shares(prompt_len: int, lengths: Sequence[int]) -> bool:
+    """Whether a run of sequences after one prompt is packed as prefix + branches: two or
+    more, each with a response, after a prompt of at least two tokens."""
+    return prompt_len > 1 and len(lengths) > 1 and min(lengths) > prompt_len
 
 
 def _segments(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int] | None
@@ -127,7 +136,7 @@ def _segments(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int] | None
         while (1 < p and j < len(seqs) and prompt_lens[j] == p
                and list(seqs[j][:p]) == list(seqs[i][:p])):
             j += 1
-        if j - i > 1 and all(len(seqs[k]) > p for k in range(i, j)):
+        if _shares(p, [len(seqs[k]) for k in range(i, j)]):
             prefix = len(segs)
             segs.append((i, 0, p - 1, -1, -1))
             segs += [(k, p - 1, len(seqs[k]) - 1, prefix, k) for k in range(i, j)]

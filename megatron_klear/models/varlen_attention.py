@@ -127,9 +127,12 @@ def _group_attention(query: Tensor, key: Tensor, value: Tensor, first: list[int]
 @dataclass
 class SharedPrefixParams(PackedSeqParams):
     """A THD pack with prompt sharing: ``parent_segment[i]`` is the segment that segment i
-    sees before its own tokens, and whose positions it continues (-1: none)."""
+    sees before its own tokens, and whose positions it continues (-1: none).
+    ``branch_rotation`` [T, 1, 1, d] is made by the first attention layer that needs it and
+    reused by the others (one per micro-batch)."""
 
     parent_segment: Tensor | None = None
+    branch_rotation: Tensor | None = None
 
 
 class VarlenCoreAttention(DotProductAttention):
@@ -152,29 +155,36 @@ class VarlenCoreAttention(DotProductAttention):
         parents = getattr(packed_seq_params, "parent_segment", None)
         if parents is not None:
             parents = parents.tolist()
-            query, key = self._continue_positions(query, key, packed_seq_params, parents)
+            query, key = self._continue_positions(query, key, packed_seq_params)
         p = self.attention_dropout.p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork():
             out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                           scale=self.softmax_scale, dropout_p=p, parents=parents)
         return out.reshape(out.shape[0], -1)
 
-    def _continue_positions(self, query: Tensor, key: Tensor, params: PackedSeqParams,
-                            parents: list[int]) -> tuple[Tensor, Tensor]:
+    def _continue_positions(self, query: Tensor, key: Tensor, params: SharedPrefixParams
+                            ) -> tuple[Tensor, Tensor]:
         """Rotate each branch's queries and keys on by its prefix's length: megatron's THD RoPE
         starts every segment at position 0, a branch continues its prompt."""
+        if params.branch_rotation is None:
+            params.branch_rotation = self._branch_rotation(params)
+        emb = params.branch_rotation
+
+        def rotate(t: Tensor) -> Tensor:
+            return apply_rotary_pos_emb(t.unsqueeze(1), emb, self.config).squeeze(1)
+
+        return rotate(query), rotate(key)
+
+    def _branch_rotation(self, params: SharedPrefixParams) -> Tensor:
+        """Each token's RoPE angles by its prefix's length (0 outside branches), [T, 1, 1, d]."""
         if self.position_emb is None:
             raise ValueError("prompt sharing needs the model's plain RoPE table on the core "
                              "attention (models.qwen3.build_gpt_model sets it; rope scaling "
                              "such as yarn is not supported): drop --share-prompts")
         cu = params.cu_seqlens_q.tolist()
         lengths = [b - a for a, b in zip(cu, cu[1:])]
-        shift = torch.repeat_interleave(torch.tensor([lengths[p] if p >= 0 else 0
-                                                      for p in parents]), torch.tensor(lengths))
+        shift = torch.repeat_interleave(
+            torch.tensor([lengths[p] if p >= 0 else 0 for p in params.parent_segment.tolist()]),
+            torch.tensor(lengths))
         table = self.position_emb(int(shift.max()) + 1)
-        emb = table[shift.to(table.device)]                                  # [T, 1, 1, d]
-
-        def rotate(t: Tensor) -> Tensor:
-            return apply_rotary_pos_emb(t.unsqueeze(1), emb, self.config).squeeze(1)
-
-        return rotate(query), rotate(key)
+        return table[shift.to(table.device)]

@@ -21,7 +21,7 @@ from megatron_klear.algo.losses import sft_loss
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
-from megatron_klear.data.packing import balance, pack_bins, pack_positions, thd_pack
+from megatron_klear.data.packing import balance, pack_bins, run_positions, thd_pack
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
@@ -274,9 +274,12 @@ def prompt_units(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig") -> l
 
 
 def unit_positions(batch: RolloutBatch, rows: Sequence[int], share: bool) -> int:
-    """Next-token positions of ``rows`` in one pack, prompts shared or not."""
-    return pack_positions([batch.prompt_ids[r] + batch.response_ids[r] for r in rows],
-                          [len(batch.prompt_ids[r]) for r in rows] if share else None)
+    """Next-token positions of ``rows`` (a prompt unit: one prompt) in one pack, the prompt
+    shared or not."""
+    lengths = row_lengths(batch, rows)
+    if share:
+        return run_positions(len(batch.prompt_ids[rows[0]]), lengths)
+    return sum(n - 1 for n in lengths)
 
 
 def rollout_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
