@@ -135,8 +135,11 @@ def test_server_killed_mid_step_costs_no_prompt(servers, sglang_model, prompts, 
     the next sync goes to the survivor, and every step trains on its full batch."""
     survivor, victim = servers.urls[0], servers.urls[2]
     save = tmp_path / "ck"
+    # responses of up to 128 tokens: step 2's rollout lasts long enough (idle, SGLang's CPU
+    # engine decodes 12 tokens for 16 samples in ~0.07 s) for the pause below to land in it
     cmd = [sys.executable, "-m", "megatron_klear.train.rl",
-           *_rl_args(sglang_model, prompts, save, [survivor, victim], 3)]
+           *_rl_args(sglang_model, prompts, save, [survivor, victim], 3,
+                     "--rollout-max-response-len", "128")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     metrics = save / "metrics.jsonl"
