@@ -190,11 +190,15 @@ def _rejoin(rank: int, world: int, model_dir: str, survivor: str, victim: str, l
 
 
 def test_restarted_server_rejoins_weight_sync(servers, sglang_model, tmp_path):
-    """After the kill -9 test: a real SGLang server restarted on the victim's port rejoins the
-    weight-update group at the next sync (the group is re-formed; the survivor's stale group
-    is dropped) and serves the trainer's weights."""
+    """After a kill -9 (the previous test's, or its own when run alone): a real SGLang server
+    restarted on the victim's port rejoins the weight-update group at the next sync (the
+    group is re-formed; the survivor's stale group is dropped) and serves the trainer's
+    weights."""
     survivor, victim = servers.urls[0], servers.urls[2]
-    assert not RolloutClient([victim]).health()[victim]  # killed by the previous test
+    if RolloutClient([victim]).health()[victim]:  # run without the kill test before it
+        os.killpg(servers.procs[2].pid, signal.SIGKILL)
+        servers.procs[2].wait(timeout=60)
+    assert not RolloutClient([victim]).health()[victim]
     got = run_distributed(_rejoin, 1, str(sglang_model), survivor, victim,
                           str(tmp_path / "logs"), timeout=600)[0]
     assert got["members_dead"] == [survivor]
