@@ -15,15 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from megatron_klear.data.livecodebench import TestCaseError, lcb_tests
 from megatron_klear.rewards.text import last_boxed
 
 ANSWER_FORMATS = ("gsm8k", "boxed")
 PROMPT_TEMPLATES = ("chat", "raw")
 # "raw": the message contents as they are (blank line between messages), no role markup and
-# no generation prompt -- base-model ("zero") RL and evaluation on plain-text prompts.
+# no generation prompt -- base-model ("zero") RL and evaluation on plain-text prompts. A chat
+# list prompt renders the same way: its contents (system included) joined by blank lines.
 RAW_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}"
                 "{% if not loop.last %}{{ '\\n\\n' }}{% endif %}{% endfor %}")
 _META_KEYS = ("id", "idx", "task_id", "data_source", "source")
+_KWARGS_ATTR = "klear_chat_template_kwargs"  # see set_chat_template_kwargs
 
 
 class DataError(ValueError):
@@ -81,6 +84,33 @@ def _where(path: str, line: int) -> str:
     return f"{path}:{line}"
 
 
+def record_field(rec: dict, key: str) -> Any:
+    """The value of ``key`` in a record, None when absent. A dotted key walks nested fields
+    (``reward_model.ground_truth``, ``extra_info.index``, as verl/slime Parquet files nest
+    them) unless the record has a field of that exact name."""
+    if key in rec:
+        return rec[key]
+    value: Any = rec
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def chat_prompt(prompt: Any, where: str, prompt_key: str) -> list[dict]:
+    """A prompt field as chat messages: a string is one user message; a chat list
+    (``[{"role": "user", "content": ...}]``, verl/slime/Klear releases) is used as it is."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in prompt):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise DataError(f"{where}: field '{prompt_key}' must be a string or a non-empty chat list "
+                    "[{'role': str, 'content': str}, ...]")
+
+
 def extract_answer(value: Any, answer_format: str | None, where: str) -> Any:
     """Apply ``answer_format``: 'gsm8k' keeps the number after '####' (commas dropped);
     'boxed' keeps the last \\boxed{} of a worked solution (MATH, minerva)."""
@@ -100,7 +130,11 @@ def extract_answer(value: Any, answer_format: str | None, where: str) -> Any:
 
 def code_tests(rec: dict) -> dict | None:
     """The tests dict of a code record, or None when the record has no test fields.
-    Accepts APPS-style ``input_output`` JSON strings too."""
+    Accepts APPS-style ``input_output`` JSON strings and LiveCodeBench rows
+    (:mod:`megatron_klear.data.livecodebench`) too."""
+    lcb = lcb_tests(rec)
+    if lcb is not None:
+        return lcb
     if isinstance(rec.get("test"), str) and isinstance(rec.get("entry_point"), str):
         tests = {"test": rec["test"], "entry_point": rec["entry_point"]}
         if isinstance(rec.get("prompt"), str):
@@ -124,7 +158,7 @@ def code_tests(rec: dict) -> dict | None:
 def _messages(rec: dict, where: str, prompt_key: str, messages_key: str | None,
               system_prompt: str | None) -> list[dict]:
     if messages_key is not None:
-        msgs = rec.get(messages_key)
+        msgs = record_field(rec, messages_key)
         if msgs is None:
             raise DataError(f"{where}: missing field '{messages_key}' (set --messages-key ...)")
         if not isinstance(msgs, list) or not all(
@@ -134,21 +168,26 @@ def _messages(rec: dict, where: str, prompt_key: str, messages_key: str | None,
                             "{'role': str, 'content': str}")
         msgs = [dict(m) for m in msgs]
     else:
-        prompt = rec.get(prompt_key)
+        prompt = record_field(rec, prompt_key)
         if prompt is None:
             raise DataError(f"{where}: missing field '{prompt_key}' (set --prompt-key ... "
                             "or --messages-key ...)")
-        if not isinstance(prompt, str):
-            raise DataError(f"{where}: field '{prompt_key}' must be a string")
-        msgs = [{"role": "user", "content": prompt}]
+        msgs = chat_prompt(prompt, where, prompt_key)
     if system_prompt is not None and not (msgs and msgs[0]["role"] == "system"):
         msgs.insert(0, {"role": "system", "content": system_prompt})
     return msgs
 
 
 def _label(rec: dict, where: str, answer_key: str, answer_format: str | None) -> Any:
-    if answer_key in rec:
-        value = rec[answer_key]
+    try:
+        return _label_of(rec, where, answer_key, answer_format)
+    except TestCaseError as exc:
+        raise DataError(f"{where}: {exc}") from None
+
+
+def _label_of(rec: dict, where: str, answer_key: str, answer_format: str | None) -> Any:
+    value = record_field(rec, answer_key)
+    if value is not None:
         if answer_format is None and (isinstance(value, dict) or (
                 isinstance(value, str) and value.lstrip().startswith("{"))):
             tests = code_tests(value if isinstance(value, dict) else {"input_output": value})
@@ -218,21 +257,56 @@ def set_prompt_template(tokenizer: Any, prompt_template: str | None = None,
     return prompt_template
 
 
+def parse_chat_template_kwargs(value: str | dict | None,
+                               flag: str = "--chat-template-kwargs") -> dict:
+    """``--chat-template-kwargs``: a JSON object of chat-template arguments, e.g.
+    ``'{"enable_thinking": false}'`` (Qwen3's non-thinking mode); ConfigError naming the flag
+    otherwise."""
+    from megatron_klear.config import ConfigError
+
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} {value!r}: invalid JSON ({exc.msg}); give a JSON object, "
+                          "e.g. '{\"enable_thinking\": false}'") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{flag} {value!r}: expected a JSON object of template arguments, "
+                          "e.g. '{\"enable_thinking\": false}'")
+    return parsed
+
+
+def set_chat_template_kwargs(tokenizer: Any, kwargs: dict | None) -> None:
+    """Template arguments every render with ``tokenizer`` passes (RL and eval prompts through
+    :func:`render_prompt`, SFT records), kept with the tokenizer so that callers agree."""
+    setattr(tokenizer, _KWARGS_ATTR, dict(kwargs or {}))
+
+
+def chat_template_kwargs(tokenizer: Any) -> dict:
+    """The template arguments set by :func:`set_chat_template_kwargs` (empty by default)."""
+    return dict(getattr(tokenizer, _KWARGS_ATTR, None) or {})
+
+
 def load_tokenizer(path: str | os.PathLike, prompt_template: str | None = None,
-                   chat_template: str | os.PathLike | None = None) -> Any:
+                   chat_template: str | os.PathLike | None = None,
+                   chat_template_kwargs: dict | None = None) -> Any:
     """The HF tokenizer of ``path`` with its prompt rendering chosen
-    (see :func:`set_prompt_template`)."""
+    (see :func:`set_prompt_template`) and its template arguments set."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(os.fspath(path))
     set_prompt_template(tokenizer, prompt_template, chat_template)
+    set_chat_template_kwargs(tokenizer, chat_template_kwargs)
     return tokenizer
 
 
 def render_prompt(tokenizer: Any, messages: list[dict]) -> str:
     """The prompt text the policy sees: the tokenizer's chat template with the generation
-    prompt appended (the raw template when :func:`set_prompt_template` chose ``raw``)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt appended and the ``--chat-template-kwargs`` passed (the raw template when
+    :func:`set_prompt_template` chose ``raw``)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **chat_template_kwargs(tokenizer))
 
 
 def prompt_text(sample: PromptSample) -> str:

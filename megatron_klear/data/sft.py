@@ -1,7 +1,10 @@
 """Long-CoT SFT data: chat records -> token ids with a response-only loss mask.
 
-A record is either ``{"prompt": str, "response": str}`` or ``{"messages": [...]}`` (loss on
-every assistant turn). Field names are configurable. Sequences longer than the bin are
+A record is either ``{"prompt": str | chat list, "response": str}`` or ``{"messages": [...]}``
+(loss on every assistant turn). Field names are configurable and may be dotted paths into
+nested fields (``extra_info.response``). The token ids are the tokenisation of the chat
+template's rendering of the whole conversation; the loss mask covers the assistant turns as
+they appear in it (see :func:`tokenize_conversation`). Sequences longer than the bin are
 truncated or dropped (``overflow``), and the counts are reported.
 """
 
@@ -11,7 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_klear.data.prompts import DataError, load_records
+from megatron_klear.data.prompts import DataError, chat_prompt, chat_template_kwargs, load_records, \
+    record_field
+
+# appended to assistant contents to find where each one ends in the rendering
+_MARK = "[[klear:end-of-message-{}]]"
 
 
 @dataclass
@@ -35,8 +42,8 @@ class SFTStats:
 
 def _messages(rec: dict, where: str, prompt_key: str, response_key: str,
               messages_key: str) -> list[dict]:
-    if messages_key in rec:
-        msgs = rec[messages_key]
+    msgs = record_field(rec, messages_key)
+    if msgs is not None:
         if not isinstance(msgs, list) or not msgs or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
             raise DataError(f"{where}: field {messages_key!r} must be a non-empty list of "
@@ -44,40 +51,138 @@ def _messages(rec: dict, where: str, prompt_key: str, response_key: str,
         if not any(m["role"] == "assistant" and str(m["content"]).strip() for m in msgs):
             raise DataError(f"{where}: no non-empty assistant message to train on")
         return msgs
-    for key, flag in ((prompt_key, "--prompt-key"), (response_key, "--response-key")):
-        if key not in rec:
+    prompt, response = record_field(rec, prompt_key), record_field(rec, response_key)
+    for key, flag, value in ((prompt_key, "--prompt-key", prompt),
+                             (response_key, "--response-key", response)):
+        if value is None:
             raise DataError(f"{where}: missing field {key!r} (set {flag} or --messages-key)")
-    if not str(rec[response_key]).strip():
+    if not str(response).strip():
         raise DataError(f"{where}: empty response in field {response_key!r}")
-    return [{"role": "user", "content": str(rec[prompt_key])},
-            {"role": "assistant", "content": str(rec[response_key])}]
+    return [*chat_prompt(prompt, where, prompt_key), {"role": "assistant", "content": str(response)}]
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of the chat-templated conversation and a mask over assistant-turn tokens.
+def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool,
+            kwargs: dict) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt, **kwargs)
+    except Exception as exc:  # jinja errors, raise_exception() of the template
+        raise DataError(f"the chat template fails on this conversation "
+                        f"({type(exc).__name__}: {exc})") from None
 
-    Each segment is tokenised on its own, so the mask boundaries are exact: the context up
-    to an assistant turn (generation prompt included) is 0, the turn itself is 1.
+
+def _once(text: str, mark: str, what: str) -> int:
+    count = text.count(mark)
+    if count != 1:
+        raise DataError(f"ambiguous loss mask: {what} appears {count} times in the rendering "
+                        "(the template drops or repeats it)")
+    return text.index(mark)
+
+
+def _content_ends(tokenizer: Any, messages: list[dict], turns: list[int], full: str,
+                  kwargs: dict) -> dict[int, int]:
+    """Where each assistant turn's content ends in ``full``: a marker is appended to every
+    assistant content (before its trailing whitespace, which trimming templates drop) and
+    the marked rendering, markers removed, must be ``full`` again."""
+    marked = [dict(m) for m in messages]
+    for i in turns:
+        content = messages[i]["content"]
+        body = content.rstrip()
+        marked[i]["content"] = body + _MARK.format(i) + content[len(body):]
+    text = _render(tokenizer, marked, False, kwargs)
+    found = sorted((_once(text, _MARK.format(i), f"assistant message {i}"), i) for i in turns)
+    ends, shift = {}, 0
+    for pos, i in found:
+        ends[i] = pos - shift
+        shift += len(_MARK.format(i))
+    for i in turns:
+        text = text.replace(_MARK.format(i), "")
+    if text != full:
+        raise DataError("ambiguous loss mask: the template rewrites the end of an assistant "
+                        "message (marking where it ends changes the rendering)")
+    return ends
+
+
+def _turn_start(tokenizer: Any, messages: list[dict], i: int, full: str, kwargs: dict) -> int:
+    """End of the generation prompt before assistant message ``i`` in ``full``: the
+    rendering of the messages before it plus the generation prompt must be a prefix of
+    ``full``. With template arguments, the prompt without them is tried second: Qwen3
+    renders earlier turns without the empty think block of ``enable_thinking: false``."""
+    for args in ([kwargs, {}] if kwargs else [kwargs]):
+        prompt = _render(tokenizer, messages[:i], True, args)
+        if full.startswith(prompt):
+            return len(prompt)
+    raise DataError(f"ambiguous loss mask: the messages before assistant message {i} plus the "
+                    "generation prompt do not render as the start of the whole conversation "
+                    "(the template renders them differently when this message follows)")
+
+
+def _turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, content_end: int,
+              kwargs: dict) -> int:
+    """End of assistant message ``i`` in ``full``: its content, then the text the template
+    closes an assistant turn with (learnt from the turn rendered as the last message)."""
+    mark = _MARK.format(i)
+    probe = _render(tokenizer, messages[:i] + [dict(messages[i], content=mark)], False, kwargs)
+    closing = probe[_once(probe, mark, "a probe assistant message") + len(mark):]
+    content = messages[i]["content"]
+    tail = content[len(content.rstrip()):]
+    for end in dict.fromkeys((content_end + len(tail), content_end)):
+        if full.startswith(tail[:end - content_end], content_end) \
+                and full.startswith(closing, end):
+            return end + len(closing)
+    raise DataError(f"ambiguous loss mask: assistant message {i} is not followed by the "
+                    f"template's end of turn {closing!r} in the rendering")
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict],
+                    kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendering of the whole conversation and the character span of every assistant
+    turn in it, from the end of its generation prompt to the end of its turn (end-of-turn
+    token included). Raises :class:`DataError` where the template makes a span ambiguous."""
+    kwargs = kwargs or {}
+    full = _render(tokenizer, messages, False, kwargs)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for i in turns:
+        if not isinstance(messages[i]["content"], str):
+            raise DataError(f"assistant message {i}: content must be a string")
+        if "[[klear:" in messages[i]["content"]:
+            raise DataError(f"assistant message {i} contains the reserved text '[[klear:'")
+    ends = _content_ends(tokenizer, messages, turns, full, kwargs)
+    spans: list[tuple[int, int]] = []
+    for i in turns:
+        start = _turn_start(tokenizer, messages, i, full, kwargs)
+        end = _turn_end(tokenizer, messages, i, full, ends[i], kwargs)
+        if not (spans[-1][1] if spans else 0) <= start <= ends[i] <= end:
+            raise DataError(f"ambiguous loss mask: assistant message {i} overlaps the turn "
+                            "before it or its generation prompt")
+        spans.append((start, end))
+    return full, spans
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict],
+                          kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the chat-templated conversation and a mask over its assistant turns.
+
+    The ids are the tokenisation of the template's rendering of the whole conversation
+    (history as the template shows it: Qwen3 drops the reasoning of earlier turns); the mask
+    is 1 on exactly the tokens of the assistant turns as they appear there (see
+    :func:`assistant_spans`), 0 on generation prompts and other messages. ``kwargs``: chat
+    template arguments (default: the tokenizer's ``--chat-template-kwargs``). A token that
+    straddles a span boundary is an error, never a guess.
     """
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""
-
-    def add(text: str, label: int) -> None:
-        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids.extend(seg)
-        mask.extend([label] * len(seg))
-
-    for i, msg in enumerate(messages):
-        if msg["role"] == "assistant":
-            ctx = tokenizer.apply_chat_template(messages[:i], tokenize=False,
-                                                add_generation_prompt=True)
-            add(ctx[len(done):], 0)
-            done = ctx
-        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        add(full[len(done):], int(msg["role"] == "assistant"))
-        done = full
-    return ids, mask
+    full, spans = assistant_spans(tokenizer, messages,
+                                  chat_template_kwargs(tokenizer) if kwargs is None else kwargs)
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("SFT needs a fast tokenizer (character offsets to place the loss mask)")
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = []
+    for a, b in enc["offset_mapping"]:
+        inside = any(s <= a and b <= e for s, e in spans)
+        if not inside and any(a < e and s < b for s, e in spans):
+            raise DataError(f"ambiguous loss mask: token {full[a:b]!r} straddles the start or "
+                            "end of an assistant turn")
+        mask.append(int(inside))
+    return list(enc["input_ids"]), mask
 
 
 def load_sft_dataset(path: str | Path, tokenizer: Any, *, max_length: int,
@@ -91,8 +196,12 @@ def load_sft_dataset(path: str | Path, tokenizer: Any, *, max_length: int,
     stats = SFTStats()
     for line, rec in load_records(path):
         where = f"{path}:{line}"
-        ids, mask = tokenize_conversation(
-            tokenizer, _messages(rec, where, prompt_key, response_key, messages_key))
+        try:
+            ids, mask = tokenize_conversation(
+                tokenizer, _messages(rec, where, prompt_key, response_key, messages_key))
+        except DataError as exc:
+            msg = str(exc)
+            raise DataError(msg if msg.startswith(where) else f"{where}: {msg}") from None
         stats.lengths.append(len(ids))
         if len(ids) > max_length:
             if overflow == "drop":

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tokenizer has a template, else raw")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file replacing the tokenizer's")
+    p.add_argument("--chat-template-kwargs", default=None,
+                   help="JSON object of chat-template arguments, e.g. "
+                        "'{\"enable_thinking\": false}' (Qwen3's non-thinking mode)")
     p.add_argument("--k", type=int, default=4, help="samples per problem")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -76,13 +79,15 @@ def run(args: argparse.Namespace) -> dict:
                                 "(or --rejudge samples.jsonl)")
     if args.k < 1:
         raise ValueError("--k must be >= 1")
-    from megatron_klear.data.prompts import load_tokenizer
+    from megatron_klear.data.prompts import load_tokenizer, parse_chat_template_kwargs
+
+    template_kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
     from megatron_klear.rollout.client import RolloutClient, SamplingParams
     from megatron_klear.rollout.launcher import connect, launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = resolve_model(args.model, out)
-    tokenizer = load_tokenizer(hf_dir, args.prompt_template, args.chat_template)
+    tokenizer = load_tokenizer(hf_dir, args.prompt_template, args.chat_template, template_kwargs)
     benches = [parse_benchmark(b, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                answer_format=args.answer_format) for b in args.benchmark]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

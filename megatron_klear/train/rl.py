@@ -22,6 +22,7 @@ from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrect
     rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import balance, pack_bins, run_positions, thd_pack
+from megatron_klear.data.prompts import parse_chat_template_kwargs
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
@@ -120,11 +121,14 @@ class RLConfig(TrainConfig):
                                "micro-batches right-padded to the longest sequence)")
     share_prompts: bool = opt(False, "carry each prompt once per pack for its n samples (a "
                               "tree mask: --transformer-impl local only; docs/training.md)")
+    chat_template_kwargs: str | None = opt(None, "JSON object of chat-template arguments for "
+                                           "the prompts, e.g. '{\"enable_thinking\": false}'")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
         self.global_batch_size = self.mini_batch_size * self.n_samples_per_prompt
         super().validate()
+        parse_chat_template_kwargs(self.chat_template_kwargs)
         for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
             if not getattr(self, name):
                 raise ConfigError(f"{flag} is required")
@@ -445,7 +449,8 @@ def train(cfg: RLConfig) -> list[dict]:
         raise ConfigError(f"--share-prompts continues a prompt's RoPE positions in its samples' "
                           f"branches, which needs plain RoPE; {cfg.hf_checkpoint}/config.json "
                           "sets rope_scaling: drop --share-prompts")
-    tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template)
+    tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template,
+                               parse_chat_template_kwargs(cfg.chat_template_kwargs))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
     engine = build_engine(cfg, arch)

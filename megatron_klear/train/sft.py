@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import build_packed_batch, pack_bins
+from megatron_klear.data.prompts import parse_chat_template_kwargs, set_chat_template_kwargs
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops.backend import loss_backend
@@ -42,9 +43,12 @@ class SFTConfig(TrainConfig):
                                          "this many tokens, one bin per micro-batch (unset: bins "
                                          "of --seq-length, --micro-batch-size bins per pack)")
     export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
+    chat_template_kwargs: str | None = opt(None, "JSON object of chat-template arguments, e.g. "
+                                           "'{\"enable_thinking\": false}' (Qwen3)")
 
     def validate(self) -> None:  # noqa: D102
         super().validate()
+        parse_chat_template_kwargs(self.chat_template_kwargs)
         if not self.data_path:
             raise ConfigError("--data-path is required (JSONL or Parquet SFT data)")
         if not self.hf_checkpoint:
@@ -132,6 +136,7 @@ def train(cfg: SFTConfig) -> list[dict]:
 
     arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
     tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    set_chat_template_kwargs(tokenizer, parse_chat_template_kwargs(cfg.chat_template_kwargs))
     samples, stats = load_sft_dataset(
         cfg.data_path, tokenizer, max_length=cfg.seq_length + 1, prompt_key=cfg.prompt_key,
         response_key=cfg.response_key, messages_key=cfg.messages_key, overflow=cfg.overflow)
