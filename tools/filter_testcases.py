@@ -19,7 +19,8 @@ import os
 import sys
 from dataclasses import asdict
 
-from megatron_klear.data.prompts import DataError, load_prompt_dataset, load_records, render_prompt
+from megatron_klear.data.prompts import DataError, load_prompt_dataset, load_records, \
+    record_field, render_prompt
 from megatron_klear.data.records_io import write_json, write_records
 from megatron_klear.data.testcase_filter import fence_python, judge_problems
 
@@ -50,12 +51,13 @@ def reference_responses(records: list[tuple[int, dict]], args: argparse.Namespac
     """Each problem's reference solutions as fenced responses."""
     out = []
     for line, rec in records:
-        sols = rec.get(args.solution_key)
+        sols = record_field(rec, args.solution_key)
         if sols is None:
             raise DataError(f"{args.input}:{line}: missing field '{args.solution_key}' "
                             "(set --solution-key ...)")
         sols = [sols] if isinstance(sols, str) else list(sols)
-        prefix = rec.get(args.solution_prefix_key, "") if args.solution_prefix_key else ""
+        prefix = (record_field(rec, args.solution_prefix_key) or "") \
+            if args.solution_prefix_key else ""
         out.append([fence_python(prefix + s) for s in sols])
     return out
 

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from megatron_klear.data.prompts import record_field
+
 DEFAULT_N = 9
 _WORD = re.compile(r"\w+")
 
@@ -83,10 +85,10 @@ DEFAULT_TEXT_KEYS = ("prompt", "problem", "question", "messages")
 
 
 def record_text(rec: dict, keys: Iterable[str] = DEFAULT_TEXT_KEYS) -> str:
-    """The text of a raw record to check: the first present key of ``keys`` (chat
-    ``messages`` contribute all their contents)."""
+    """The text of a raw record to check: the first present key of ``keys``, dotted keys
+    walking nested fields (chat lists such as ``messages`` contribute all their contents)."""
     for key in keys:
-        value = rec.get(key)
+        value = record_field(rec, key)
         if isinstance(value, str):
             return value
         if isinstance(value, list):

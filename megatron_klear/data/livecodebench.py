@@ -26,7 +26,7 @@ LCB_FIELDS = ("public_test_cases", "private_test_cases")
 MAX_DECOMPRESSED_BYTES = 1 << 30  # a zlib bomb stops here
 
 
-class TestCaseError(ValueError):
+class BadTestCases(ValueError):
     """LiveCodeBench test cases that cannot be read (or that are refused as unsafe)."""
 
 
@@ -43,14 +43,14 @@ class StringsOnlyUnpickler(pickle.Unpickler):
 
 
 def unpickle_string(data: bytes) -> str:
-    """The string a pickle holds; :class:`TestCaseError` for anything else, executing nothing."""
+    """The string a pickle holds; :class:`BadTestCases` for anything else, executing nothing."""
     try:
         value = StringsOnlyUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, MemoryError, RecursionError) as exc:
-        raise TestCaseError(f"private_test_cases: unsafe or broken pickle ({exc})") from None
+        raise BadTestCases(f"private_test_cases: unsafe or broken pickle ({exc})") from None
     if not isinstance(value, str):
-        raise TestCaseError(f"private_test_cases: the pickle holds a {type(value).__name__}, "
+        raise BadTestCases(f"private_test_cases: the pickle holds a {type(value).__name__}, "
                             "not a JSON string")
     return value
 
@@ -59,7 +59,7 @@ def _inflate(data: bytes) -> bytes:
     inflater = zlib.decompressobj()
     out = inflater.decompress(data, MAX_DECOMPRESSED_BYTES)
     if inflater.unconsumed_tail:
-        raise TestCaseError(f"private_test_cases: more than {MAX_DECOMPRESSED_BYTES} bytes "
+        raise BadTestCases(f"private_test_cases: more than {MAX_DECOMPRESSED_BYTES} bytes "
                             "once decompressed")
     return out
 
@@ -74,16 +74,16 @@ def decode_test_cases(value: Any, name: str) -> list[dict]:
             try:
                 raw = _inflate(base64.b64decode(value.encode("ascii"), validate=True))
             except (binascii.Error, UnicodeEncodeError, zlib.error) as exc:
-                raise TestCaseError(f"{name}: neither JSON nor base64(zlib(pickle)) ({exc})"
+                raise BadTestCases(f"{name}: neither JSON nor base64(zlib(pickle)) ({exc})"
                                     ) from None
             try:
                 value = json.loads(unpickle_string(raw))
             except json.JSONDecodeError as exc:
-                raise TestCaseError(f"{name}: the pickled string is not JSON ({exc.msg})") from None
+                raise BadTestCases(f"{name}: the pickled string is not JSON ({exc.msg})") from None
     if not isinstance(value, list) or not all(
             isinstance(t, dict) and isinstance(t.get("input"), str)
             and isinstance(t.get("output"), str) for t in value):
-        raise TestCaseError(f"{name}: expected a list of {{'input': str, 'output': str, "
+        raise BadTestCases(f"{name}: expected a list of {{'input': str, 'output': str, "
                             "'testtype': ...}}")
     return value
 
@@ -93,9 +93,9 @@ def _func_name(metadata: Any) -> str | None:
         try:
             metadata = json.loads(metadata) if metadata.strip() else {}
         except json.JSONDecodeError:
-            raise TestCaseError("metadata: not a JSON object") from None
+            raise BadTestCases("metadata: not a JSON object") from None
     if metadata is not None and not isinstance(metadata, dict):
-        raise TestCaseError("metadata: not a JSON object")
+        raise BadTestCases("metadata: not a JSON object")
     return (metadata or {}).get("func_name") or None
 
 
@@ -108,13 +108,13 @@ def lcb_tests(rec: dict) -> dict | None:
     cases = [t for k in LCB_FIELDS if rec.get(k) not in (None, "")
              for t in decode_test_cases(rec[k], k)]
     if not cases:
-        raise TestCaseError("public_test_cases/private_test_cases: no test cases")
+        raise BadTestCases("public_test_cases/private_test_cases: no test cases")
     kinds = {t.get("testtype", "stdin") for t in cases}
     if kinds == {"stdin"}:
         return {"inputs": [t["input"] for t in cases], "outputs": [t["output"] for t in cases]}
     fn_name = _func_name(rec.get("metadata"))
     if kinds != {"functional"} or not fn_name:
-        raise TestCaseError(f"test types {sorted(kinds)} with metadata.func_name {fn_name!r}: "
+        raise BadTestCases(f"test types {sorted(kinds)} with metadata.func_name {fn_name!r}: "
                             "functional tests need metadata.func_name, and a problem's tests "
                             "must be all stdin or all functional")
     try:
@@ -122,5 +122,5 @@ def lcb_tests(rec: dict) -> dict | None:
                   for t in cases]
         outputs = [json.loads(t["output"]) for t in cases]
     except json.JSONDecodeError as exc:
-        raise TestCaseError(f"functional test case is not JSON ({exc.msg})") from None
+        raise BadTestCases(f"functional test case is not JSON ({exc.msg})") from None
     return {"inputs": inputs, "outputs": outputs, "fn_name": fn_name}

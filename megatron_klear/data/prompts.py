@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from megatron_klear.data.livecodebench import TestCaseError, lcb_tests
+from megatron_klear.data.livecodebench import BadTestCases, lcb_tests
 from megatron_klear.rewards.text import last_boxed
 
 ANSWER_FORMATS = ("gsm8k", "boxed")
@@ -181,7 +181,7 @@ def _messages(rec: dict, where: str, prompt_key: str, messages_key: str | None,
 def _label(rec: dict, where: str, answer_key: str, answer_format: str | None) -> Any:
     try:
         return _label_of(rec, where, answer_key, answer_format)
-    except TestCaseError as exc:
+    except BadTestCases as exc:
         raise DataError(f"{where}: {exc}") from None
 
 

@@ -7,6 +7,9 @@ The program is the last fenced python block after ``</think>``. Supported test f
 - call-based (LeetCode): ``{"fn_name": ..., "inputs": [[args]], "outputs": [...]}``; the
   function (or ``Solution().fn_name``) is called in the sandbox and its ``repr`` compared
   here as a Python literal with the expected value.
+- LiveCodeBench rows as published (``public_test_cases``/``private_test_cases`` JSON or
+  base64-zlib-pickle strings, ``metadata.func_name``): read into one of the two above by
+  :func:`megatron_klear.data.livecodebench.lcb_tests` (pickles: plain strings only).
 - HumanEval: ``{"test": "...def check(candidate)...", "entry_point": ..., "context": prompt}``;
   every top-level statement of ``check`` that asserts about ``candidate`` is one case. Each
   case runs in the sandbox with a recording ``candidate``; then the trusted test code is
@@ -25,6 +28,7 @@ import logging
 import os
 from typing import Any, Callable
 
+from megatron_klear.data.livecodebench import lcb_tests
 from megatron_klear.rewards.sandbox import SandboxJob, SandboxLimits, SandboxPool, SandboxResult, shared_pool
 from megatron_klear.rewards.text import last_python_block
 
@@ -204,6 +208,7 @@ def _compiles(code: str) -> bool:
 def case_verdicts(response: str, tests: dict, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                   memory_mb: int = DEFAULT_MEMORY_MB, pool: SandboxPool | None = None) -> list[bool]:
     """Pass/fail of every test case (all False when there is no runnable program)."""
+    tests = lcb_tests(tests) or tests if isinstance(tests, dict) else tests
     kind = test_format(tests)
     code = last_python_block(response) if isinstance(response, str) else None
     if not code or not code.strip() or not _compiles(code):
