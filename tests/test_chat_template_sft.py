@@ -20,7 +20,7 @@ from megatron_klear.config import ConfigError, parse_config
 from megatron_klear.data.prompts import DataError, parse_chat_template_kwargs, render_prompt, \
     set_chat_template_kwargs
 from megatron_klear.data.sft import load_sft_dataset, tokenize_conversation
-from megatron_klear.models.tiny import build_tokenizer
+from megatron_klear.models.tiny import CHAT_TEMPLATE, build_tokenizer
 
 TEMPLATE = Path(__file__).parent / "data" / "qwen3_like_chat_template.jinja"
 NO_THINK = {"enable_thinking": False}
@@ -150,12 +150,16 @@ ECHO_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content 
     # a template that repeats the last answer: which copy is the turn?
     ("repeated", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"}],
      ECHO_TEMPLATE),
+    # plain ChatML keeps a leading newline: '\n\n' is one token across the turn's start
+    ("straddle", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\nA"}],
+     CHAT_TEMPLATE),
 ])
 def test_ambiguous_records_fail_naming_the_record(tok, tmp_path, case, msgs, template):
     """The error names the file and line of the record (after a good record where the
     template has good records: the repeating template repeats every last answer)."""
     path = tmp_path / "sft.jsonl"
-    records = ([] if template else [{"messages": ISSUE_RECORD}]) + [{"messages": msgs}]
+    records = ([] if template == ECHO_TEMPLATE else [{"messages": ISSUE_RECORD}]) + \
+        [{"messages": msgs}]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     t = build_tokenizer()
     t.chat_template = template or TEMPLATE.read_text()
