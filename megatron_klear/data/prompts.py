@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from megatron_klear.config import ConfigError
 from megatron_klear.data.livecodebench import BadTestCases, lcb_tests
 from megatron_klear.rewards.text import last_boxed
 
@@ -262,8 +263,6 @@ def parse_chat_template_kwargs(value: str | dict | None,
     """``--chat-template-kwargs``: a JSON object of chat-template arguments, e.g.
     ``'{"enable_thinking": false}'`` (Qwen3's non-thinking mode); ConfigError naming the flag
     otherwise."""
-    from megatron_klear.config import ConfigError
-
     if value is None or isinstance(value, dict):
         return dict(value or {})
     try:
