@@ -93,7 +93,8 @@ def test_three_turns_with_and_without_system(tok, system, thinking):
     segments = [(SYS, 0)] if system else []
     for t in range(3):
         segments.append((f"<|im_start|>user\nQ{t}?<|im_end|>\n" + A, 0))
-        segments.append(((f"<think>\nr{t}\n</think>\n\n" if t == 2 else "") + f"A{t}<|im_end|>\n", 1))
+        reasoning = f"<think>\nr{t}\n</think>\n\n" if t == 2 else ""  # kept by the last turn
+        segments.append((reasoning + f"A{t}<|im_end|>\n", 1))
     segments = _merge(segments)
     kwargs = {} if thinking else NO_THINK
     assert tokenize_conversation(tok, _conversation(system, 3), kwargs) == expected(tok, segments)

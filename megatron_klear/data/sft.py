@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_klear.data.prompts import DataError, chat_prompt, chat_template_kwargs, load_records, \
-    record_field
+from megatron_klear.data.prompts import DataError, chat_prompt, chat_template_kwargs, \
+    load_records, record_field
 
 # appended to assistant contents to find where each one ends in the rendering
 _MARK = "[[klear:end-of-message-{}]]"
@@ -58,7 +58,8 @@ def _messages(rec: dict, where: str, prompt_key: str, response_key: str,
             raise DataError(f"{where}: missing field {key!r} (set {flag} or --messages-key)")
     if not str(response).strip():
         raise DataError(f"{where}: empty response in field {response_key!r}")
-    return [*chat_prompt(prompt, where, prompt_key), {"role": "assistant", "content": str(response)}]
+    return [*chat_prompt(prompt, where, prompt_key),
+            {"role": "assistant", "content": str(response)}]
 
 
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool,
