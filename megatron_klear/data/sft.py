@@ -110,7 +110,12 @@ def _turn_start(tokenizer: Any, messages: list[dict], i: int, full: str, kwargs:
     ``full``. With template arguments, the prompt without them is tried second: Qwen3
     renders earlier turns without the empty think block of ``enable_thinking: false``."""
     for args in ([kwargs, {}] if kwargs else [kwargs]):
-        prompt = _render(tokenizer, messages[:i], True, args)
+        try:
+            prompt = _render(tokenizer, messages[:i], True, args)
+        except DataError:
+            if args is kwargs:
+                raise
+            break  # the template needs its arguments: no second candidate
         if full.startswith(prompt):
             return len(prompt)
     raise DataError(f"ambiguous loss mask: the messages before assistant message {i} plus the "
