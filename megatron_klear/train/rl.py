@@ -29,7 +29,7 @@ from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
 from megatron_klear.train.memory import Workload
-from megatron_klear.train.metrics import MetricsLogger
+from megatron_klear.train.metrics import MetricsLogger, wandb_settings
 from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
     collect_batch
 
@@ -456,7 +456,8 @@ def train(cfg: RLConfig) -> list[dict]:
                             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
                             stop_token_ids=[tokenizer.eos_token_id])
     log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
-                        desc="rl", progress=cfg.progress_bar, log_interval=cfg.log_interval)
+                        desc="rl", progress=cfg.progress_bar, log_interval=cfg.log_interval,
+                        wandb=wandb_settings(cfg))
     history: list[dict] = []
     with rollout_servers(cfg) as servers:
         client = RolloutClient(servers.urls)
