@@ -25,6 +25,8 @@ from megatron_klear.data.packing import balance, pack_bins, run_positions, thd_p
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
+from megatron_klear.rewards.remote import RemoteReward
+from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
@@ -120,6 +122,16 @@ class RLConfig(TrainConfig):
                                "micro-batches right-padded to the longest sequence)")
     share_prompts: bool = opt(False, "carry each prompt once per pack for its n samples (a "
                               "tree mask: --transformer-impl local only; docs/training.md)")
+    # rewards scored elsewhere, and shaped (docs/rewards.md)
+    reward_url: str | None = opt(None, "score rewards with this HTTP service instead of "
+                                 "--reward: POST {prompts, responses, labels} -> {rewards}")
+    reward_timeout: float = opt(60.0, "seconds per --reward-url request")
+    reward_retries: int = opt(3, "--reward-url retries after a failed or timed-out request")
+    overlong_buffer_len: int | None = opt(None, "DAPO overlong shaping: responses longer than "
+                                          "--rollout-max-response-len minus this lose reward "
+                                          "linearly, up to --overlong-penalty-factor")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at "
+                                         "--rollout-max-response-len tokens")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -139,6 +151,9 @@ class RLConfig(TrainConfig):
             raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
                               f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
         self.correction()
+        self.overlong_shaping()
+        if self.reward_timeout <= 0 or self.reward_retries < 0:
+            raise ConfigError("--reward-timeout must be > 0 and --reward-retries >= 0")
         if self.max_staleness < 1:
             raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
                               f"--async-rollout), got {self.max_staleness}")
@@ -159,6 +174,22 @@ class RLConfig(TrainConfig):
                               "Engine's THD attention cannot express its tree mask): drop "
                               "--no-pack-sequences / use --transformer-impl local, or drop "
                               "--share-prompts")
+
+    def overlong_shaping(self) -> OverlongShaping | None:
+        """DAPO's overlong reward shaping, or None without ``--overlong-buffer-len``."""
+        if self.overlong_buffer_len is None:
+            return None
+        try:
+            return OverlongShaping(self.rollout_max_response_len, self.overlong_buffer_len,
+                                   self.overlong_penalty_factor)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def remote_reward(self) -> RemoteReward | None:
+        """The ``--reward-url`` service, or None (rewards scored here by ``--reward``)."""
+        if not self.reward_url:
+            return None
+        return RemoteReward(self.reward_url, self.reward_timeout, self.reward_retries)
 
     def correction(self) -> RolloutCorrection | None:
         """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
@@ -500,7 +531,8 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
                                 params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
                                 max_rounds=cfg.max_sampling_rounds,
-                                normalize_std=cfg.advantage_std_norm)
+                                normalize_std=cfg.advantage_std_norm,
+                                remote=cfg.remote_reward(), overlong=cfg.overlong_shaping())
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
 
