@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.algo.losses import sft_loss
+from megatron_klear.algo.kl import KL_ESTIMATORS, kl_per_token
+from megatron_klear.algo.losses import aggregate, sft_loss
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
@@ -32,6 +33,7 @@ from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
 from megatron_klear.train.memory import Workload
 from megatron_klear.train.metrics import MetricsLogger, wandb_settings
+from megatron_klear.train.reference import ReferencePolicy
 from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
     collect_batch
 
@@ -132,6 +134,13 @@ class RLConfig(TrainConfig):
                                           "linearly, up to --overlong-penalty-factor")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at "
                                          "--rollout-max-response-len tokens")
+    # KL to a frozen reference policy (a loss term; docs/policy_loss.md)
+    kl_coef: float = opt(0.0, "weight of the KL(policy || reference) loss term (0: off, no "
+                         "reference forward)")
+    kl_estimator: str = opt("low_var_kl", "per-token KL estimator", choices=KL_ESTIMATORS)
+    ref_load: str | None = opt(None, "reference weights: a checkpoint dir or a Hugging Face "
+                               "dir (default: --hf-checkpoint); e.g. the SFT checkpoint an RL "
+                               "run started from")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -152,6 +161,11 @@ class RLConfig(TrainConfig):
                               f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
         self.correction()
         self.overlong_shaping()
+        if self.kl_coef < 0:
+            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.ref_load and not self.kl_coef:
+            raise ConfigError("--ref-load is the reference of the KL term: set --kl-coef > 0 "
+                              "or drop --ref-load")
         if self.reward_timeout <= 0 or self.reward_retries < 0:
             raise ConfigError("--reward-timeout must be > 0 and --reward-retries >= 0")
         if self.max_staleness < 1:
@@ -342,23 +356,30 @@ def row_lengths(batch: RolloutBatch, rows: Sequence[int]) -> list[int]:
 
 
 def fill_logprobs(logits: torch.Tensor, batch: dict, vocab_size: int, temperature: float,
-                  backend: str) -> None:
-    """Set ``old_logprobs`` and ``entropy`` of a micro-batch from its logits (no gradient)."""
+                  backend: str, key: str = "old_logprobs", entropy_key: str | None = "entropy"
+                  ) -> None:
+    """Set ``batch[key]`` (log-probs of the labels) and ``batch[entropy_key]`` of a
+    micro-batch from its logits (no gradient)."""
     lp, ent = vocab_parallel_logprobs(logits, batch["labels"],
                                       tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                      compute_entropy=True, temperature=temperature,
-                                      vocab_size=vocab_size, backend=backend)
-    batch["old_logprobs"], batch["entropy"] = lp.float(), ent.float()
+                                      compute_entropy=entropy_key is not None,
+                                      temperature=temperature, vocab_size=vocab_size,
+                                      backend=backend)
+    batch[key] = lp.float()
+    if entropy_key is not None:
+        batch[entropy_key] = ent.float()
 
 
-def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: float) -> None:
-    """Fill ``old_logprobs`` and ``entropy`` of each micro-batch with the current policy."""
+def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: float,
+                 **keys: str | None) -> None:
+    """Fill ``old_logprobs`` and ``entropy`` of each micro-batch with the model's current
+    weights (other keys through ``keys``, as :func:`fill_logprobs`)."""
     if not mbs:
         return
     backend = loss_backend(engine.cfg.loss_backend)
 
     def fwd(logits, batch):
-        fill_logprobs(logits, batch, vocab_size, temperature, backend)
+        fill_logprobs(logits, batch, vocab_size, temperature, backend, **keys)
         # on the logits' device: megatron's MoE schedule multiplies it by the CUDA loss scale
         return logits.new_zeros(()), {}
 
@@ -404,6 +425,12 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             inplace_backward=True)  # logits are not read after backward
         sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
         loss = out.loss + cfg.sft_alpha * sft
+        if cfg.kl_coef:
+            kl = kl_per_token(out.logprobs, b["ref_logprobs"], cfg.kl_estimator)
+            kl_loss = aggregate(kl, mask, normalizer=max(n_tokens, 1.0))
+            loss = loss + cfg.kl_coef * kl_loss
+            metrics.update({"train/kl_loss": kl_loss.detach(),
+                            "train/kl": (kl.detach() * mask).sum()})
         metrics.update({f"train/{k}": v.detach() * tokens for k, v in out.metrics.items()})
         mismatch = ((old - b["rollout_logprobs"]).abs() * mask).sum()
         metrics.update({"train/policy_loss": out.loss.detach(), "train/sft_loss": sft.detach(),
@@ -415,12 +442,20 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
     return loss_fn
 
 
-def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: int) -> dict:
-    """Old log-probs, then one optimizer step per mini-batch; returns averaged metrics."""
+def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: int,
+                   reference: ReferencePolicy | None = None) -> dict:
+    """Old (and reference) log-probs, then one optimizer step per mini-batch; returns
+    averaged metrics."""
     vocab = engine.arch.vocab_size
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
     mbs_per_mini = [rollout_microbatches(batch, rows, cfg, pad_id) for rows in minis]
+    t0 = time.time()
+    if reference is not None:
+        with reference.swapped_in():
+            old_logprobs(engine, [mb for mbs in mbs_per_mini for mb in mbs], vocab,
+                         cfg.rollout_temperature, key="ref_logprobs", entropy_key=None)
+    t_ref = time.time() - t0
     t0 = time.time()
     # the first mini-batch trains on the policy that sampled: its old log-probs come from its
     # own training forward (policy_loss_fn); the later ones need the pre-update policy
@@ -441,9 +476,11 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     out = {}
     for k, v in totals.items():  # token-weighted metrics -> means; per-step ones -> averages
         token_weighted = k.startswith("train/") and k not in (
-            "train/policy_loss", "train/sft_loss", "train/loss")
+            "train/policy_loss", "train/sft_loss", "train/kl_loss", "train/loss")
         out[k] = v / max(tokens, 1.0) if token_weighted else v / steps
     n_train = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    if reference is not None:
+        out["time/ref_logprob_s"] = t_ref
     out.update({"time/old_logprob_s": t_old, "time/train_s": t_train,
                 "train/tokens_per_s": n_train / max(t_train, 1e-9), "train/optimizer_steps": steps})
     return out
@@ -481,6 +518,8 @@ def train(cfg: RLConfig) -> list[dict]:
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
     engine = build_engine(cfg, arch)
     info = restore_or_init(engine)
+    reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
+        if cfg.kl_coef else None
     step, consumed = (info.iteration, info.extra["consumed_prompts"]) if info else (0, 0)
     stream = PromptStream(prompts, cfg.seed, consumed)
     params = SamplingParams(n=cfg.n_samples_per_prompt, max_new_tokens=cfg.rollout_max_response_len,
@@ -506,7 +545,7 @@ def train(cfg: RLConfig) -> list[dict]:
         with contextlib.closing(rollout_source(cfg, client, tokenizer, stream, params,
                                                step)) as source:
             while step < cfg.train_iters:
-                metrics = rl_step(engine, cfg, source, tokenizer, step)
+                metrics = rl_step(engine, cfg, source, tokenizer, step, reference)
                 step += 1
                 metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
                 source.weights_updated(step)
@@ -538,7 +577,7 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
 
 
 def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any,
-            step: int) -> dict:
+            step: int, reference: ReferencePolicy | None = None) -> dict:
     """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it."""
     t0 = time.time()
     got = source.next(step) if torch.distributed.get_rank() == 0 else None
@@ -554,7 +593,7 @@ def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any
         metrics["train/skipped_step"] = 1.0
         return metrics
     batch = batch.select_groups(range(usable))
-    metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id))
+    metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id, reference))
     return metrics
 
 
@@ -599,10 +638,11 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
 def memory_workload(cfg: RLConfig) -> Workload:
     """What the RL trainer feeds the model (the dry run's memory plan): THD packs of
     ``--micro-batch-size`` prompt + response rows, or of ``--max-tokens-per-gpu`` tokens,
-    under the fused policy loss unless --loss-backend torch."""
+    under the fused policy loss unless --loss-backend torch; with --kl-coef, the
+    reference's weights in host memory."""
     return Workload(cfg.rollout_max_prompt_len + cfg.rollout_max_response_len,
                     fused_loss=cfg.loss_backend != "torch",
-                    tokens=cfg.max_tokens_per_gpu)
+                    tokens=cfg.max_tokens_per_gpu, reference_on_host=cfg.kl_coef > 0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
