@@ -97,6 +97,9 @@ class TrainConfig:
     moe_aux_loss_coeff: float | None = opt(None, "MoE load-balancing loss coefficient "
                                                  "(default: config.json router_aux_loss_coef; "
                                                  "0: off)")
+    use_routing_replay: bool = opt(False, "MoE routing replay (klear-rl): the trainer's "
+                                          "routers use the experts the rollout chose for each "
+                                          "token (docs/moe.md)")
     # batch
     micro_batch_size: int = opt(1, "sequences per micro-batch")
     global_batch_size: int = opt(8, "sequences per optimizer step (across data-parallel ranks)")
@@ -191,6 +194,17 @@ class TrainConfig:
                 raise ConfigError(f"{flag(name)} must be >= 1, got {value}")
         if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.use_routing_replay:
+            clash = [f for f, on in (("--sequence-parallel", self.sequence_parallel),
+                                     ("--context-parallel-size", self.context_parallel_size > 1),
+                                     ("--recompute-granularity", self.recompute_granularity),
+                                     ("--num-layers-per-virtual-pipeline-stage",
+                                      self.num_layers_per_virtual_pipeline_stage))
+                     if on]
+            if clash:
+                raise ConfigError(f"--use-routing-replay does not yet split the replayed experts "
+                                  f"as {clash[0]} splits tokens or recomputes layers: drop one "
+                                  "of them")
 
     @property
     def expert_tp(self) -> int:

@@ -239,10 +239,13 @@ def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, lis
     p, resp = batch.prompt_ids[i], batch.response_ids[i]
     ctx, n = [0.0] * (len(p) - 1), len(resp)
     lp = list(batch.rollout_logprobs[i][:n])
-    return p + resp, {"loss_mask": ctx + [1.0] * n,
-                      "advantages": ctx + [float(batch.advantages[i])] * n,
-                      "positive": ctx + [float(batch.rewards[i] >= 1.0)] * n,
-                      "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
+    fields = {"loss_mask": ctx + [1.0] * n,
+              "advantages": ctx + [float(batch.advantages[i])] * n,
+              "positive": ctx + [float(batch.rewards[i] >= 1.0)] * n,
+              "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
+    if batch.routed_experts and batch.routed_experts[i] is not None:
+        fields["routed_experts"] = batch.routed_experts[i]  # [labels, layers, k]
+    return p + resp, fields
 
 
 def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_id: int,
@@ -257,6 +260,12 @@ def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_i
         for r, i in enumerate(chunk):
             seq, fields = sample_fields(batch, i)
             tokens[r, :len(seq)] = torch.tensor(seq)
+            experts = fields.pop("routed_experts", None)
+            if experts is not None:  # padding replays a real row: k distinct experts
+                d.setdefault("routed_experts", experts.new_zeros(
+                    (len(chunk), seq_len, *experts.shape[1:])))
+                d["routed_experts"][r] = experts[-1]
+                d["routed_experts"][r, :len(experts)] = experts
             for k, v in fields.items():
                 d[k][r, :len(v)] = torch.tensor(v)
         d.update(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
@@ -287,7 +296,7 @@ def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
     out = []
     for group in groups:
         seqs, fields = zip(*(sample_fields(batch, r) for r in group))
-        out.append(thd_pack(seqs, {k: [f[k] for f in fields] for k in FIELDS}, pad_id=pad_id,
+        out.append(thd_pack(seqs, {k: [f[k] for f in fields] for k in fields[0]}, pad_id=pad_id,
                             multiple=cfg.tensor_model_parallel_size,
                             prompt_lens=[len(batch.prompt_ids[r]) for r in group]
                             if cfg.share_prompts else None))
@@ -522,9 +531,13 @@ def train(cfg: RLConfig) -> list[dict]:
         if cfg.kl_coef else None
     step, consumed = (info.iteration, info.extra["consumed_prompts"]) if info else (0, 0)
     stream = PromptStream(prompts, cfg.seed, consumed)
+    if cfg.use_routing_replay and not arch.is_moe:
+        raise ConfigError(f"--use-routing-replay replays MoE routing, and "
+                          f"{cfg.hf_checkpoint}/config.json is a dense model: drop the flag")
     params = SamplingParams(n=cfg.n_samples_per_prompt, max_new_tokens=cfg.rollout_max_response_len,
                             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
-                            stop_token_ids=[tokenizer.eos_token_id])
+                            stop_token_ids=[tokenizer.eos_token_id],
+                            return_routed_experts=cfg.use_routing_replay)
     log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
                         desc="rl", progress=cfg.progress_bar, log_interval=cfg.log_interval,
                         wandb=wandb_settings(cfg))
@@ -593,8 +606,24 @@ def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any
         metrics["train/skipped_step"] = 1.0
         return metrics
     batch = batch.select_groups(range(usable))
+    shape_routed_experts(batch, engine.arch.num_layers, engine.arch.num_experts_per_tok)
     metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id, reference))
     return metrics
+
+
+def shape_routed_experts(batch: RolloutBatch, num_layers: int, top_k: int) -> None:
+    """The rollout's flat expert ids as [prompt + response - 1, layers, k] per sample (one row
+    per label: the expert ids of the token it follows), checked against the sequence."""
+    for i, flat in enumerate(batch.routed_experts):
+        if flat is None:
+            continue
+        positions = len(batch.prompt_ids[i]) + len(batch.response_ids[i]) - 1
+        if flat.numel() != positions * num_layers * top_k:
+            raise ValueError(f"sample {i}: the rollout's routed_experts hold {flat.numel()} "
+                             f"ids, not {positions} tokens x {num_layers} layers x {top_k}; "
+                             "the server must answer return_routed_experts for the whole "
+                             "sequence (routed_experts_start_len 0)")
+        batch.routed_experts[i] = flat.view(positions, num_layers, top_k)
 
 
 def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> dict:

@@ -36,7 +36,12 @@ class RolloutBatch:
     truncated: list[bool] = field(default_factory=list)
     prompt_index: list[int] = field(default_factory=list)         # dataset index per sample
     advantages: list[float] = field(default_factory=list)
+    # MoE routing replay: per sample, the rollout's expert ids (flat, or None when not asked)
+    routed_experts: list = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+
+    SAMPLE_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "truncated",
+                     "prompt_index", "advantages", "routed_experts")
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -50,15 +55,13 @@ class RolloutBatch:
         out = RolloutBatch(self.group_size, stats=dict(self.stats))
         for g in keep:
             for i in range(g * self.group_size, (g + 1) * self.group_size):
-                for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards",
-                             "truncated", "prompt_index", "advantages"):
+                for name in self.SAMPLE_FIELDS:
                     getattr(out, name).append(getattr(self, name)[i])
         return out
 
     def extend(self, other: "RolloutBatch") -> None:
         """Append another batch's samples."""
-        for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "truncated",
-                     "prompt_index", "advantages"):
+        for name in self.SAMPLE_FIELDS:
             getattr(self, name).extend(getattr(other, name))
 
 
@@ -107,6 +110,7 @@ def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[
             batch.rollout_logprobs.append(list(g.logprobs))
             batch.truncated.append(g.finish_reason == "length")
             batch.prompt_index.append(p.index)
+            batch.routed_experts.append(g.routed_experts)
             texts.append(g.text)
             labels.append(p.label)
     t0 = time.time()
