@@ -71,6 +71,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang[all]>=0.5", "sglang-router"],
         "test": ["pytest>=8", "pytest-timeout"],
+        "wandb": ["wandb"],
     },
     entry_points={"console_scripts": [
         "klear-sft=megatron_klear.train.sft:main",

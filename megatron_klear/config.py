@@ -97,6 +97,9 @@ class TrainConfig:
     moe_aux_loss_coeff: float | None = opt(None, "MoE load-balancing loss coefficient "
                                                  "(default: config.json router_aux_loss_coef; "
                                                  "0: off)")
+    use_routing_replay: bool = opt(False, "MoE routing replay (klear-rl): the trainer's "
+                                          "routers use the experts the rollout chose for each "
+                                          "token (docs/moe.md)")
     # batch
     micro_batch_size: int = opt(1, "sequences per micro-batch")
     global_batch_size: int = opt(8, "sequences per optimizer step (across data-parallel ranks)")
@@ -123,6 +126,12 @@ class TrainConfig:
                                "model (when --hf-checkpoint exists here), print it and the "
                                "per-GPU memory plan, and exit (non-zero when it does not fit "
                                "--gpu-memory-gb)")
+    # Weights & Biases (optional: pip install wandb); the same metrics as TensorBoard
+    wandb_project: str | None = opt(None, "log metrics to this W&B project (unset: no W&B)")
+    wandb_run_name: str | None = opt(None, "W&B run name (default: W&B's generated name)")
+    wandb_mode: str = opt("online", "W&B mode: offline writes the run under --wandb-dir for "
+                          "a later `wandb sync`", choices=("online", "offline"))
+    wandb_dir: str | None = opt(None, "W&B files (default: the log dir: --log-dir or --save)")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first inconsistent value."""
@@ -147,6 +156,23 @@ class TrainConfig:
         self._validate_memory_features()
         self._validate_context_parallel()
         self._validate_moe()
+        self._validate_wandb()
+
+    def _validate_wandb(self) -> None:
+        """W&B flags need a project, and the wandb package where the run starts."""
+        import importlib.util
+
+        given = [n for n in ("wandb_run_name", "wandb_dir") if getattr(self, n) is not None]
+        if self.wandb_mode != "online":
+            given.append("wandb_mode")
+        if not self.wandb_project:
+            if given:
+                raise ConfigError(f"{flag(given[0])} needs --wandb-project NAME (W&B logging is "
+                                  "off without a project)")
+            return
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb-project needs the wandb package: pip install wandb "
+                              "(or drop --wandb-project)")
 
     def _validate_context_parallel(self) -> None:
         """CP needs TE attention and sequences that split into 2 x cp load-balanced chunks."""
@@ -168,6 +194,17 @@ class TrainConfig:
                 raise ConfigError(f"{flag(name)} must be >= 1, got {value}")
         if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.use_routing_replay:
+            clash = [f for f, on in (("--sequence-parallel", self.sequence_parallel),
+                                     ("--context-parallel-size", self.context_parallel_size > 1),
+                                     ("--recompute-granularity", self.recompute_granularity),
+                                     ("--num-layers-per-virtual-pipeline-stage",
+                                      self.num_layers_per_virtual_pipeline_stage))
+                     if on]
+            if clash:
+                raise ConfigError(f"--use-routing-replay does not yet split the replayed experts "
+                                  f"as {clash[0]} splits tokens or recomputes layers: drop one "
+                                  "of them")
 
     @property
     def expert_tp(self) -> int:

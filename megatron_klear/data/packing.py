@@ -65,7 +65,9 @@ def thd_pack(seqs: Sequence[Sequence[int]],
 
     Returns tokens, labels, position_ids and segment_ids (each label's sequence, -1 on
     padding) ``[1, T]`` (long), one float ``[1, T]`` tensor per entry of ``label_fields``
-    (per sequence, one value per label, i.e. ``len - 1`` values), ``cu_seqlens`` (int32, one
+    (per sequence, one value per label, i.e. ``len - 1`` values; an entry given as tensors
+    ``[len - 1, ...]`` packs to ``[1, T, ...]`` of their dtype, its padding a copy of the
+    last real row), ``cu_seqlens`` (int32, one
     span per segment) and ``max_seqlen``. With ``multiple > 1`` the pack is padded at its end
     to a multiple of it (e.g. the TP size for sequence parallelism); the padding is a
     segment of its own with zero label fields.
@@ -97,6 +99,11 @@ def thd_pack(seqs: Sequence[Sequence[int]],
     }
     out = {k: torch.tensor(v, dtype=torch.long)[None] for k, v in out.items()}
     for name, per_seq in (label_fields or {}).items():
+        if torch.is_tensor(per_seq[0]):  # [labels, ...] per sequence, e.g. routed experts
+            parts = [per_seq[i][a:b] for i, a, b, _, _ in segs]
+            parts.append(parts[-1][-1:].expand(pad, *parts[-1].shape[1:]))  # a real row
+            out[name] = torch.cat(parts)[None]
+            continue
         vals = [v for i, a, b, _, _ in segs for v in per_seq[i][a:b]] + [0.0] * pad
         out[name] = torch.tensor(vals, dtype=torch.float)[None]
     spans += [pad] if pad else []

@@ -256,14 +256,15 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
 def moe_config_kwargs(arch: Qwen3Arch, *, ep: int = 1, etp: int | None = None,
-                      dispatcher: str = "alltoall",
-                      aux_loss_coeff: float | None = None) -> dict[str, Any]:
+                      dispatcher: str = "alltoall", aux_loss_coeff: float | None = None,
+                      routing_replay: bool = False) -> dict[str, Any]:
     """TransformerConfig fields of a Qwen3-MoE model ({} for a dense one).
 
     transformers' router is softmax over all experts, top-k, then (``norm_topk_prob``)
     renormalised over the k: megatron's softmax after top-k (``pre_softmax=False``) equals
     the renormalised form, softmax before top-k the raw one. ``aux_loss_coeff`` None takes
     config.json's ``router_aux_loss_coef``; 0 turns the load-balancing loss off.
+    ``routing_replay``: the routers can replay given experts (models/routing_replay.py).
     """
     if not arch.is_moe:
         return {}
@@ -287,6 +288,7 @@ def moe_config_kwargs(arch: Qwen3Arch, *, ep: int = 1, etp: int | None = None,
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        moe_enable_routing_replay=routing_replay,
     )
 
 

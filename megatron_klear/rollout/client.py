@@ -22,6 +22,7 @@ both speak the same API. Guarantees:
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import logging
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
+import torch
 
 __all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError", "sample_seed"]
 
@@ -67,10 +69,13 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     n: int = 1
     sampling_seed: int | None = None  # the prompt's seed; sample j uses sample_seed(seed, j)
+    # not a sampling param: the request's return_routed_experts (MoE routing replay)
+    return_routed_experts: bool = False
 
     def to_sglang(self) -> dict:
         """The ``sampling_params`` JSON object (unset stop lists omitted)."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items()
+                if v is not None and k != "return_routed_experts"}
 
 
 @dataclass
@@ -83,18 +88,33 @@ class Generation:
     finish_reason: str
     weight_version: str | None
     prompt_tokens: int
+    routed_experts: torch.Tensor | None = None  # flat [(prompt + response - 1) x layers x k]
 
     @classmethod
     def from_sglang(cls, out: dict) -> "Generation":
         """Parse one SGLang /generate response object."""
         meta = out.get("meta_info", {})
         reason = meta.get("finish_reason") or {}
+        experts = meta.get("routed_experts")
         return cls(text=out.get("text", ""), output_ids=list(out.get("output_ids") or []),
                    logprobs=[float(x[0]) for x in meta.get("output_token_logprobs") or []],
                    finish_reason=reason.get("type", "unknown") if isinstance(reason, dict)
                    else str(reason),
                    weight_version=meta.get("weight_version"),
-                   prompt_tokens=int(meta.get("prompt_tokens", 0)))
+                   prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                   routed_experts=None if experts is None else decode_routed_experts(experts))
+
+
+def encode_routed_experts(experts: torch.Tensor) -> str:
+    """SGLang's ``meta_info.routed_experts``: base64 of the int32 expert ids [positions, layers,
+    top-k] in C order (sglang/srt/managers/detokenizer_manager.py)."""
+    return base64.b64encode(experts.to(torch.int32).contiguous().numpy().tobytes()).decode()
+
+
+def decode_routed_experts(text: str) -> torch.Tensor:
+    """The flat expert ids of :func:`encode_routed_experts` (int16; the caller knows the
+    model's layers and top-k)."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.int32).to(torch.int16)
 
 
 @dataclass
@@ -177,6 +197,8 @@ class RolloutClient:
                 key = "text" if isinstance(chunk[0][0], str) else "input_ids"
                 payload = {key: [p for p, _ in chunk], "sampling_params": [sp for _, sp in chunk],
                            "return_logprob": True}
+                if params.return_routed_experts:
+                    payload["return_routed_experts"] = True
                 async with sem:
                     out = await self._post_balanced(session, "/generate", payload,
                                                     check=_not_aborted)

@@ -40,6 +40,13 @@ class Sequence:
     text: str = ""
     finish_reason: dict | None = None
     seed: int | None = None  # sampling_seed (deterministic inference): draws from (seed, pos)
+    want_routed_experts: bool = False
+    routed: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top-k] runs
+
+    def routed_experts(self) -> torch.Tensor:
+        """The experts that routed every forwarded token, as SGLang's return_routed_experts:
+        positions 0 .. prompt + output - 2 (the last sampled token is never forwarded)."""
+        return torch.cat(self.routed)[:len(self.prompt_ids) + len(self.output_ids) - 1]
 
 
 def expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -86,8 +93,36 @@ class Generator:
         self.eos_ids = self._eos_ids()
         self.lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(seed)
+        self._capturing = False
+        self._captured: dict[int, torch.Tensor] = {}
+        self.moe_layers = self._hook_routers()
         self.params = dict(self.model.named_parameters()) | expert_views(self.model)
         self._recv_pool: dict[str, list[list]] = {}  # flat buckets (receiving)
+
+    def _hook_routers(self) -> list[int]:
+        """Record each sparse layer's top-k expert ids (transformers' Qwen3MoeTopKRouter
+        returns logits, scores, indices) while :attr:`_capturing`; the layers hooked."""
+        layers = []
+        for i, layer in enumerate(self.model.model.layers):
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None or not hasattr(gate, "top_k"):
+                continue
+
+            def hook(_module, _inputs, output, i=i):
+                if self._capturing:
+                    self._captured[i] = output[2]
+            gate.register_forward_hook(hook)
+            layers.append(i)
+        return layers
+
+    def _routing(self, b: int, t: int) -> torch.Tensor:
+        """The ids recorded by the last forward of ``b`` x ``t`` tokens: [b, t, layers, k]
+        (layers without experts hold 0, as SGLang's capture buffer)."""
+        k = int(self.config.num_experts_per_tok)
+        out = torch.zeros(b, t, self.config.num_hidden_layers, k, dtype=torch.int16)
+        for i in self.moe_layers:
+            out[:, :, i] = self._captured[i].view(b, t, k)
+        return out
 
     def _eos_ids(self) -> set[int]:
         eos = self.config.eos_token_id
@@ -107,6 +142,7 @@ class Generator:
         (a ``retract`` pause, as SGLang's) drops the KV cache when decoding resumes and
         prefills prompt + tokens so far again with the weights loaded meanwhile.
         """
+        self._capturing = any(s.want_routed_experts for s in seqs)
         ids, logits, pos, cache = self._prefill(seqs)
         self._fill_input_logprobs(seqs, ids, logits)
         last = logits[:, -1]
@@ -129,6 +165,11 @@ class Generator:
             nxt = torch.tensor([[s.output_ids[-1] if s.output_ids else 0] for s in seqs])
             pos = pos + 1
             last = self._forward(nxt, pos, cache)[:, -1]
+            if self._capturing:
+                step = self._routing(len(seqs), 1)
+                for row, s in enumerate(seqs):
+                    if s.finish_reason is None:
+                        s.routed.append(step[row])
 
     def _prefill(self, seqs: list[Sequence]):
         """A fresh KV cache of every sequence's prompt + tokens so far (left-padded): the ids,
@@ -143,10 +184,15 @@ class Generator:
                         ids.shape[1] + min(longest, INITIAL_DECODE_CAPACITY))
         logits = self._forward(ids, positions, cache,
                                all_logits=any(s.want_input_logprobs for s in seqs))
+        routing = self._routing(*ids.shape) if self._capturing else None
         if len(unique) < len(rows):  # the n samples of a prompt share one prefill (a prefix
             index = torch.tensor([unique[row] for row in rows])  # cache hit in SGLang)
             cache.select(index)
             ids, logits, positions = ids[index], logits[index], positions[index]
+            routing = None if routing is None else routing[index]
+        if routing is not None:  # every token so far (left padding dropped); a retract redoes it
+            for row, (s, tokens) in enumerate(zip(seqs, rows)):
+                s.routed = [routing[row, ids.shape[1] - len(tokens):]]
         return ids, logits, positions[:, -1:], cache
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,

@@ -40,6 +40,7 @@ import torch
 from aiohttp import web
 
 from megatron_klear.orphans import exit_when_orphaned
+from megatron_klear.rollout.client import encode_routed_experts
 from megatron_klear.rollout.generator import Generator, Sequence
 from megatron_klear.rollout.sampling import RequestError, SamplingConfig
 from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, parse_dtype
@@ -73,6 +74,7 @@ class _Request:
     return_logprob: bool
     logprob_start_len: int
     batched: bool = False  # SGLang's batch form: the reply is a list, one output per prompt
+    return_routed_experts: bool = False
     start: float = field(default_factory=time.monotonic)
 
 
@@ -140,6 +142,8 @@ class RolloutServer:
                                                  for lp, t in zip(s.logprobs, s.output_ids)]
                 if r.logprob_start_len >= 0:
                     meta["input_token_logprobs"] = self._input_logprobs(s, r.logprob_start_len)
+            if r.return_routed_experts:  # SGLang's form: base64 int32 [positions, layers, k]
+                meta["routed_experts"] = encode_routed_experts(s.routed_experts())
             outs.append({"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta})
         return outs if r.batched or len(outs) > 1 else outs[0]
 
@@ -168,9 +172,14 @@ class RolloutServer:
         for prompt, cfg in zip(prompts, cfgs):
             self._check_prompt(prompt, cfg, start)
             seqs += self._sequences(prompt, cfg, want_input)
+        routed = bool(body.get("return_routed_experts"))
+        if routed and not self.gen.moe_layers:
+            raise RequestError("return_routed_experts: the served model has no MoE layers")
+        for s in seqs:
+            s.want_routed_experts = routed
         rid = body.get("rid") or uuid.uuid4().hex
         return _Request(str(rid), seqs, asyncio.get_running_loop().create_future(),
-                        bool(body.get("return_logprob")), start, batched)
+                        bool(body.get("return_logprob")), start, batched, routed)
 
     def _sampling_configs(self, params, count: int, batched: bool) -> list[SamplingConfig]:
         if not (batched and isinstance(params, list)):

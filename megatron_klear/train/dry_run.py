@@ -45,6 +45,9 @@ def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
         report["memory"] = {**plan.as_dict(), "gpu_memory_gb": cfg.gpu_memory_gb,
                             "fits": plan.fits(cfg.gpu_memory_gb),
                             "fused_loss": workload.fused_loss}
+        if workload.reference_on_host:  # the reference's copy and the policy's stash
+            host = 2 * max(st.params for st in plan.stages)
+            report["memory"]["kl_reference_host_gib_per_rank"] = round(host / 2**30, 2)
     else:
         report["model"] = "not checked (--hf-checkpoint is not on this machine)"
         report["memory"] = "not planned (needs the model's config.json)"

@@ -21,6 +21,7 @@ from megatron_klear.config import TrainConfig
 from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import (Qwen3Arch, build_gpt_model, moe_config_kwargs,
                                          transformer_config)
+from megatron_klear.models.routing_replay import replay_routing
 from megatron_klear.rollout.launcher import free_port
 from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
 from megatron_klear.train.context_parallel import slice_batch
@@ -119,6 +120,7 @@ class Engine:
 
         def forward_step(data_iterator, model):
             batch = slice_batch(to_device(next(data_iterator)), cp, cp_rank)
+            replay_routing(model, batch.get("routed_experts"))
             logits = model(batch["tokens"], batch["position_ids"], None,
                            packed_seq_params=packed_seq_params(batch))
 
@@ -139,10 +141,14 @@ class Engine:
         # interleaving: every model chunk reads the micro-batches through its own iterator
         data = [iter(microbatches) for _ in self.model] if len(self.model) > 1 \
             else iter(microbatches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=self.model,
-            num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
-            forward_only=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data, model=self.model,
+                num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+                forward_only=forward_only)
+        finally:  # other forwards (the probe, eval, export) route by their own top-k
+            for chunk in self.model:
+                replay_routing(chunk, None)
 
     def train_step(self, microbatches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on a mini-batch; returns summed metrics, grad norm and LR."""
@@ -285,7 +291,8 @@ def moe_features(arch: Qwen3Arch, cfg: TrainConfig) -> dict[str, Any]:
     """TransformerConfig fields of the MoE flags ({} for a dense model)."""
     return moe_config_kwargs(arch, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp,
                              dispatcher=cfg.moe_token_dispatcher_type,
-                             aux_loss_coeff=cfg.moe_aux_loss_coeff)
+                             aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                             routing_replay=cfg.use_routing_replay)
 
 
 def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> list[torch.nn.Module]:

@@ -53,11 +53,14 @@ class Workload:
     of the vocab-parallel logits (``token_loss.token_nll``). ``tokens``: the
     tokens of one micro-batch when it is a pack under a token budget (``--max-tokens-per-gpu``,
     sequences of at most ``seq_length``); None: ``seq_length x --micro-batch-size``.
+    ``reference_on_host``: the KL reference's weights live in host memory and are swapped in
+    for its forward (no device bytes; two host copies of the rank's weights).
     """
 
     seq_length: int
     fused_loss: bool = True
     tokens: int | None = None
+    reference_on_host: bool = False  # a KL reference: a host copy of the weights (reference.py)
 
     def microbatch_tokens(self, cfg: TrainConfig) -> int:
         """Tokens of one micro-batch (before context parallelism slices them)."""

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.algo.losses import sft_loss
+from megatron_klear.algo.kl import KL_ESTIMATORS, kl_per_token
+from megatron_klear.algo.losses import aggregate, sft_loss
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
@@ -26,11 +27,14 @@ from megatron_klear.data.prompts import parse_chat_template_kwargs
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
+from megatron_klear.rewards.remote import RemoteReward
+from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
 from megatron_klear.train.memory import Workload
-from megatron_klear.train.metrics import MetricsLogger
+from megatron_klear.train.metrics import MetricsLogger, wandb_settings
+from megatron_klear.train.reference import ReferencePolicy
 from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
     collect_batch
 
@@ -123,6 +127,23 @@ class RLConfig(TrainConfig):
                               "tree mask: --transformer-impl local only; docs/training.md)")
     chat_template_kwargs: str | None = opt(None, "JSON object of chat-template arguments for "
                                            "the prompts, e.g. '{\"enable_thinking\": false}'")
+    # rewards scored elsewhere, and shaped (docs/rewards.md)
+    reward_url: str | None = opt(None, "score rewards with this HTTP service instead of "
+                                 "--reward: POST {prompts, responses, labels} -> {rewards}")
+    reward_timeout: float = opt(60.0, "seconds per --reward-url request")
+    reward_retries: int = opt(3, "--reward-url retries after a failed or timed-out request")
+    overlong_buffer_len: int | None = opt(None, "DAPO overlong shaping: responses longer than "
+                                          "--rollout-max-response-len minus this lose reward "
+                                          "linearly, up to --overlong-penalty-factor")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at "
+                                         "--rollout-max-response-len tokens")
+    # KL to a frozen reference policy (a loss term; docs/policy_loss.md)
+    kl_coef: float = opt(0.0, "weight of the KL(policy || reference) loss term (0: off, no "
+                         "reference forward)")
+    kl_estimator: str = opt("low_var_kl", "per-token KL estimator", choices=KL_ESTIMATORS)
+    ref_load: str | None = opt(None, "reference weights: a checkpoint dir or a Hugging Face "
+                               "dir (default: --hf-checkpoint); e.g. the SFT checkpoint an RL "
+                               "run started from")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -143,6 +164,14 @@ class RLConfig(TrainConfig):
             raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
                               f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
         self.correction()
+        self.overlong_shaping()
+        if self.kl_coef < 0:
+            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.ref_load and not self.kl_coef:
+            raise ConfigError("--ref-load is the reference of the KL term: set --kl-coef > 0 "
+                              "or drop --ref-load")
+        if self.reward_timeout <= 0 or self.reward_retries < 0:
+            raise ConfigError("--reward-timeout must be > 0 and --reward-retries >= 0")
         if self.max_staleness < 1:
             raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
                               f"--async-rollout), got {self.max_staleness}")
@@ -163,6 +192,22 @@ class RLConfig(TrainConfig):
                               "Engine's THD attention cannot express its tree mask): drop "
                               "--no-pack-sequences / use --transformer-impl local, or drop "
                               "--share-prompts")
+
+    def overlong_shaping(self) -> OverlongShaping | None:
+        """DAPO's overlong reward shaping, or None without ``--overlong-buffer-len``."""
+        if self.overlong_buffer_len is None:
+            return None
+        try:
+            return OverlongShaping(self.rollout_max_response_len, self.overlong_buffer_len,
+                                   self.overlong_penalty_factor)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def remote_reward(self) -> RemoteReward | None:
+        """The ``--reward-url`` service, or None (rewards scored here by ``--reward``)."""
+        if not self.reward_url:
+            return None
+        return RemoteReward(self.reward_url, self.reward_timeout, self.reward_retries)
 
     def correction(self) -> RolloutCorrection | None:
         """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
@@ -198,10 +243,13 @@ def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, lis
     p, resp = batch.prompt_ids[i], batch.response_ids[i]
     ctx, n = [0.0] * (len(p) - 1), len(resp)
     lp = list(batch.rollout_logprobs[i][:n])
-    return p + resp, {"loss_mask": ctx + [1.0] * n,
-                      "advantages": ctx + [float(batch.advantages[i])] * n,
-                      "positive": ctx + [float(batch.rewards[i] >= 1.0)] * n,
-                      "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
+    fields = {"loss_mask": ctx + [1.0] * n,
+              "advantages": ctx + [float(batch.advantages[i])] * n,
+              "positive": ctx + [float(batch.rewards[i] >= 1.0)] * n,
+              "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
+    if batch.routed_experts and batch.routed_experts[i] is not None:
+        fields["routed_experts"] = batch.routed_experts[i]  # [labels, layers, k]
+    return p + resp, fields
 
 
 def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_id: int,
@@ -216,6 +264,12 @@ def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_i
         for r, i in enumerate(chunk):
             seq, fields = sample_fields(batch, i)
             tokens[r, :len(seq)] = torch.tensor(seq)
+            experts = fields.pop("routed_experts", None)
+            if experts is not None:  # padding replays a real row: k distinct experts
+                d.setdefault("routed_experts", experts.new_zeros(
+                    (len(chunk), seq_len, *experts.shape[1:])))
+                d["routed_experts"][r] = experts[-1]
+                d["routed_experts"][r, :len(experts)] = experts
             for k, v in fields.items():
                 d[k][r, :len(v)] = torch.tensor(v)
         d.update(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
@@ -246,7 +300,7 @@ def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
     out = []
     for group in groups:
         seqs, fields = zip(*(sample_fields(batch, r) for r in group))
-        out.append(thd_pack(seqs, {k: [f[k] for f in fields] for k in FIELDS}, pad_id=pad_id,
+        out.append(thd_pack(seqs, {k: [f[k] for f in fields] for k in fields[0]}, pad_id=pad_id,
                             multiple=cfg.tensor_model_parallel_size,
                             prompt_lens=[len(batch.prompt_ids[r]) for r in group]
                             if cfg.share_prompts else None))
@@ -315,23 +369,30 @@ def row_lengths(batch: RolloutBatch, rows: Sequence[int]) -> list[int]:
 
 
 def fill_logprobs(logits: torch.Tensor, batch: dict, vocab_size: int, temperature: float,
-                  backend: str) -> None:
-    """Set ``old_logprobs`` and ``entropy`` of a micro-batch from its logits (no gradient)."""
+                  backend: str, key: str = "old_logprobs", entropy_key: str | None = "entropy"
+                  ) -> None:
+    """Set ``batch[key]`` (log-probs of the labels) and ``batch[entropy_key]`` of a
+    micro-batch from its logits (no gradient)."""
     lp, ent = vocab_parallel_logprobs(logits, batch["labels"],
                                       tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                      compute_entropy=True, temperature=temperature,
-                                      vocab_size=vocab_size, backend=backend)
-    batch["old_logprobs"], batch["entropy"] = lp.float(), ent.float()
+                                      compute_entropy=entropy_key is not None,
+                                      temperature=temperature, vocab_size=vocab_size,
+                                      backend=backend)
+    batch[key] = lp.float()
+    if entropy_key is not None:
+        batch[entropy_key] = ent.float()
 
 
-def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: float) -> None:
-    """Fill ``old_logprobs`` and ``entropy`` of each micro-batch with the current policy."""
+def old_logprobs(engine: Engine, mbs: list[dict], vocab_size: int, temperature: float,
+                 **keys: str | None) -> None:
+    """Fill ``old_logprobs`` and ``entropy`` of each micro-batch with the model's current
+    weights (other keys through ``keys``, as :func:`fill_logprobs`)."""
     if not mbs:
         return
     backend = loss_backend(engine.cfg.loss_backend)
 
     def fwd(logits, batch):
-        fill_logprobs(logits, batch, vocab_size, temperature, backend)
+        fill_logprobs(logits, batch, vocab_size, temperature, backend, **keys)
         # on the logits' device: megatron's MoE schedule multiplies it by the CUDA loss scale
         return logits.new_zeros(()), {}
 
@@ -377,6 +438,12 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             inplace_backward=True)  # logits are not read after backward
         sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
         loss = out.loss + cfg.sft_alpha * sft
+        if cfg.kl_coef:
+            kl = kl_per_token(out.logprobs, b["ref_logprobs"], cfg.kl_estimator)
+            kl_loss = aggregate(kl, mask, normalizer=max(n_tokens, 1.0))
+            loss = loss + cfg.kl_coef * kl_loss
+            metrics.update({"train/kl_loss": kl_loss.detach(),
+                            "train/kl": (kl.detach() * mask).sum()})
         metrics.update({f"train/{k}": v.detach() * tokens for k, v in out.metrics.items()})
         mismatch = ((old - b["rollout_logprobs"]).abs() * mask).sum()
         metrics.update({"train/policy_loss": out.loss.detach(), "train/sft_loss": sft.detach(),
@@ -388,12 +455,20 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
     return loss_fn
 
 
-def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: int) -> dict:
-    """Old log-probs, then one optimizer step per mini-batch; returns averaged metrics."""
+def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: int,
+                   reference: ReferencePolicy | None = None) -> dict:
+    """Old (and reference) log-probs, then one optimizer step per mini-batch; returns
+    averaged metrics."""
     vocab = engine.arch.vocab_size
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
     mbs_per_mini = [rollout_microbatches(batch, rows, cfg, pad_id) for rows in minis]
+    t0 = time.time()
+    if reference is not None:
+        with reference.swapped_in():
+            old_logprobs(engine, [mb for mbs in mbs_per_mini for mb in mbs], vocab,
+                         cfg.rollout_temperature, key="ref_logprobs", entropy_key=None)
+    t_ref = time.time() - t0
     t0 = time.time()
     # the first mini-batch trains on the policy that sampled: its old log-probs come from its
     # own training forward (policy_loss_fn); the later ones need the pre-update policy
@@ -414,9 +489,11 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     out = {}
     for k, v in totals.items():  # token-weighted metrics -> means; per-step ones -> averages
         token_weighted = k.startswith("train/") and k not in (
-            "train/policy_loss", "train/sft_loss", "train/loss")
+            "train/policy_loss", "train/sft_loss", "train/kl_loss", "train/loss")
         out[k] = v / max(tokens, 1.0) if token_weighted else v / steps
     n_train = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    if reference is not None:
+        out["time/ref_logprob_s"] = t_ref
     out.update({"time/old_logprob_s": t_old, "time/train_s": t_train,
                 "train/tokens_per_s": n_train / max(t_train, 1e-9), "train/optimizer_steps": steps})
     return out
@@ -455,13 +532,20 @@ def train(cfg: RLConfig) -> list[dict]:
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
     engine = build_engine(cfg, arch)
     info = restore_or_init(engine)
+    reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
+        if cfg.kl_coef else None
     step, consumed = (info.iteration, info.extra["consumed_prompts"]) if info else (0, 0)
     stream = PromptStream(prompts, cfg.seed, consumed)
+    if cfg.use_routing_replay and not arch.is_moe:
+        raise ConfigError(f"--use-routing-replay replays MoE routing, and "
+                          f"{cfg.hf_checkpoint}/config.json is a dense model: drop the flag")
     params = SamplingParams(n=cfg.n_samples_per_prompt, max_new_tokens=cfg.rollout_max_response_len,
                             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
-                            stop_token_ids=[tokenizer.eos_token_id])
+                            stop_token_ids=[tokenizer.eos_token_id],
+                            return_routed_experts=cfg.use_routing_replay)
     log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
-                        desc="rl", progress=cfg.progress_bar, log_interval=cfg.log_interval)
+                        desc="rl", progress=cfg.progress_bar, log_interval=cfg.log_interval,
+                        wandb=wandb_settings(cfg))
     history: list[dict] = []
     with rollout_servers(cfg) as servers:
         client = RolloutClient(servers.urls)
@@ -479,7 +563,7 @@ def train(cfg: RLConfig) -> list[dict]:
         with contextlib.closing(rollout_source(cfg, client, tokenizer, stream, params,
                                                step)) as source:
             while step < cfg.train_iters:
-                metrics = rl_step(engine, cfg, source, tokenizer, step)
+                metrics = rl_step(engine, cfg, source, tokenizer, step, reference)
                 step += 1
                 metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
                 source.weights_updated(step)
@@ -504,13 +588,14 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
                                 params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
                                 max_rounds=cfg.max_sampling_rounds,
-                                normalize_std=cfg.advantage_std_norm)
+                                normalize_std=cfg.advantage_std_norm,
+                                remote=cfg.remote_reward(), overlong=cfg.overlong_shaping())
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
 
 
 def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any,
-            step: int) -> dict:
+            step: int, reference: ReferencePolicy | None = None) -> dict:
     """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it."""
     t0 = time.time()
     got = source.next(step) if torch.distributed.get_rank() == 0 else None
@@ -526,8 +611,24 @@ def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any
         metrics["train/skipped_step"] = 1.0
         return metrics
     batch = batch.select_groups(range(usable))
-    metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id))
+    shape_routed_experts(batch, engine.arch.num_layers, engine.arch.num_experts_per_tok)
+    metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id, reference))
     return metrics
+
+
+def shape_routed_experts(batch: RolloutBatch, num_layers: int, top_k: int) -> None:
+    """The rollout's flat expert ids as [prompt + response - 1, layers, k] per sample (one row
+    per label: the expert ids of the token it follows), checked against the sequence."""
+    for i, flat in enumerate(batch.routed_experts):
+        if flat is None:
+            continue
+        positions = len(batch.prompt_ids[i]) + len(batch.response_ids[i]) - 1
+        if flat.numel() != positions * num_layers * top_k:
+            raise ValueError(f"sample {i}: the rollout's routed_experts hold {flat.numel()} "
+                             f"ids, not {positions} tokens x {num_layers} layers x {top_k}; "
+                             "the server must answer return_routed_experts for the whole "
+                             "sequence (routed_experts_start_len 0)")
+        batch.routed_experts[i] = flat.view(positions, num_layers, top_k)
 
 
 def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> dict:
@@ -571,10 +672,11 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
 def memory_workload(cfg: RLConfig) -> Workload:
     """What the RL trainer feeds the model (the dry run's memory plan): THD packs of
     ``--micro-batch-size`` prompt + response rows, or of ``--max-tokens-per-gpu`` tokens,
-    under the fused policy loss unless --loss-backend torch."""
+    under the fused policy loss unless --loss-backend torch; with --kl-coef, the
+    reference's weights in host memory."""
     return Workload(cfg.rollout_max_prompt_len + cfg.rollout_max_response_len,
                     fused_loss=cfg.loss_backend != "torch",
-                    tokens=cfg.max_tokens_per_gpu)
+                    tokens=cfg.max_tokens_per_gpu, reference_on_host=cfg.kl_coef > 0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from megatron_klear.algo.advantages import group_advantages, zero_advantage_groups
 from megatron_klear.data.prompts import PromptSample, render_prompt
 from megatron_klear.rewards import score_batch
+from megatron_klear.rewards.remote import RemoteReward
+from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
 
 
@@ -34,7 +36,12 @@ class RolloutBatch:
     truncated: list[bool] = field(default_factory=list)
     prompt_index: list[int] = field(default_factory=list)         # dataset index per sample
     advantages: list[float] = field(default_factory=list)
+    # MoE routing replay: per sample, the rollout's expert ids (flat, or None when not asked)
+    routed_experts: list = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+
+    SAMPLE_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "truncated",
+                     "prompt_index", "advantages", "routed_experts")
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -48,15 +55,13 @@ class RolloutBatch:
         out = RolloutBatch(self.group_size, stats=dict(self.stats))
         for g in keep:
             for i in range(g * self.group_size, (g + 1) * self.group_size):
-                for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards",
-                             "truncated", "prompt_index", "advantages"):
+                for name in self.SAMPLE_FIELDS:
                     getattr(out, name).append(getattr(self, name)[i])
         return out
 
     def extend(self, other: "RolloutBatch") -> None:
         """Append another batch's samples."""
-        for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "truncated",
-                     "prompt_index", "advantages"):
+        for name in self.SAMPLE_FIELDS:
             getattr(self, name).extend(getattr(other, name))
 
 
@@ -85,35 +90,48 @@ class PromptStream:
 def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[PromptSample],
                        params: SamplingParams, reward: str, *, normalize_std: bool = True,
                        reward_workers: int | None = None,
-                       seeds: list[int] | None = None) -> RolloutBatch:
-    """Sample ``params.n`` responses per prompt, score them and compute group advantages."""
-    prompt_ids = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)
-                  ["input_ids"] for p in prompts]
+                       seeds: list[int] | None = None, remote: RemoteReward | None = None,
+                       overlong: OverlongShaping | None = None) -> RolloutBatch:
+    """Sample ``params.n`` responses per prompt, score them (here with the ``reward``
+    function, or by the ``remote`` service), shape the rewards (``overlong``) and compute
+    group advantages."""
+    rendered = [render_prompt(tokenizer, p.messages) for p in prompts]
+    prompt_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
     t0 = time.time()
     gens = client.generate(prompt_ids, params, seeds)
     t_gen = time.time() - t0
     batch = RolloutBatch(params.n)
-    texts, labels = [], []
-    for p, ids, group in zip(prompts, prompt_ids, gens):
+    texts, labels, prompt_texts = [], [], []
+    for p, text, ids, group in zip(prompts, rendered, prompt_ids, gens):
         for g in group:
+            prompt_texts.append(text)
             batch.prompt_ids.append(ids)
             batch.response_ids.append(list(g.output_ids))
             batch.rollout_logprobs.append(list(g.logprobs))
             batch.truncated.append(g.finish_reason == "length")
             batch.prompt_index.append(p.index)
+            batch.routed_experts.append(g.routed_experts)
             texts.append(g.text)
             labels.append(p.label)
     t0 = time.time()
-    batch.rewards = [float(r) for r in score_batch(reward, texts, labels, num_workers=reward_workers)]
+    scores = remote.score(prompt_texts, texts, labels) if remote else \
+        score_batch(reward, texts, labels, num_workers=reward_workers)
+    batch.rewards = [float(r) for r in scores]
+    batch.stats = {"time/generate_s": t_gen, "time/reward_s": time.time() - t0}
+    if overlong is not None:
+        penalties = [overlong.penalty(len(r)) for r in batch.response_ids]
+        batch.rewards = [r + p for r, p in zip(batch.rewards, penalties)]
+        batch.stats["rollout/overlong_penalty"] = sum(penalties)  # summed over rounds
     batch.advantages = group_advantages(torch.tensor(batch.rewards, dtype=torch.float64),
                                         params.n, normalize_std=normalize_std).tolist()
-    batch.stats = {"time/generate_s": t_gen, "time/reward_s": time.time() - t0}
     return batch
 
 
 def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, num_prompts: int,
                   params: SamplingParams, reward: str, *, dynamic_sampling: bool = True,
-                  max_rounds: int = 4, normalize_std: bool = True) -> RolloutBatch:
+                  max_rounds: int = 4, normalize_std: bool = True,
+                  remote: RemoteReward | None = None,
+                  overlong: OverlongShaping | None = None) -> RolloutBatch:
     """A batch of ``num_prompts`` groups, refilled past zero-advantage groups when asked.
 
     With dynamic sampling, rounds of ``num_prompts`` more prompts are drawn until enough
@@ -128,7 +146,8 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
         need = num_prompts - out.groups()
         drawn_now = stream.take(num_prompts if dynamic_sampling else need)
         got = generate_and_score(client, tokenizer, [p for _, p in drawn_now], params, reward,
-                                 normalize_std=normalize_std,
+                                 normalize_std=normalize_std, remote=remote,
+                                 overlong=overlong,
                                  seeds=[stream.sampling_seed(pos) for pos, _ in drawn_now])
         for k, v in got.stats.items():
             out.stats[k] = out.stats.get(k, 0.0) + v
@@ -145,6 +164,8 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
         if out.groups() >= num_prompts:
             break
     rounds_gen = out.stats.get("time/generate_s", 0.0)
+    if "rollout/overlong_penalty" in out.stats:  # mean over every response scored
+        out.stats["rollout/overlong_penalty"] /= max(len(all_rewards), 1)
     out.stats.update({
         "rollout/reward_mean": sum(all_rewards) / max(len(all_rewards), 1),
         "rollout/accuracy": sum(r >= 1.0 for r in all_rewards) / max(len(all_rewards), 1),

@@ -24,7 +24,7 @@ from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops.backend import loss_backend
 from megatron_klear.train.engine import build_engine, restore_or_init
 from megatron_klear.train.memory import Workload
-from megatron_klear.train.metrics import MetricsLogger
+from megatron_klear.train.metrics import MetricsLogger, wandb_settings
 from megatron_klear.train.token_loss import token_nll
 
 
@@ -146,7 +146,8 @@ def train(cfg: SFTConfig) -> list[dict]:
     step, consumed = (info.iteration, info.extra["consumed_bins"]) if info else (0, 0)
     schedule = BinSchedule(samples, cfg.bin_size, cfg.seed, cfg.pack)
     log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
-                        desc="sft", progress=cfg.progress_bar, log_interval=cfg.log_interval)
+                        desc="sft", progress=cfg.progress_bar, log_interval=cfg.log_interval,
+                        wandb=wandb_settings(cfg))
     if step == 0 and log.enabled:
         print(f"[sft] {stats.loaded} samples ({stats.truncated} truncated, {stats.dropped} "
               f"dropped, longer than --seq-length {cfg.seq_length})", file=sys.stderr)

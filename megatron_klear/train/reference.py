@@ -1,0 +1,64 @@
+"""The frozen reference policy of the KL term, kept in host memory.
+
+Its weights are a CPU copy of this rank's shards of the model (same TP/PP layout), taken once
+from ``--ref-load`` (a Megatron checkpoint or a Hugging Face dir; default ``--hf-checkpoint``).
+For the reference forward they are swapped into the engine's own model chunks and the policy's
+weights are put back afterwards bit for bit, so the reference costs no second model on the
+device, only one host copy of the weights and two host<->device copies per RL step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megatron_klear.checkpoint.state import CheckpointError
+
+__all__ = ["ReferencePolicy"]
+
+
+def _params(engine) -> list[torch.Tensor]:
+    return [p for chunk in engine.model for p in chunk.parameters()]
+
+
+class ReferencePolicy:
+    """Reference weights for ``engine``'s model, read from ``source``."""
+
+    def __init__(self, engine, source: str) -> None:
+        self.engine = engine
+        policy = self._host_copy()
+        self._load(source)
+        self.weights = self._host_copy()
+        self._copy_in(policy)
+
+    def _host_copy(self) -> list[torch.Tensor]:
+        return [p.detach().to("cpu", copy=True) for p in _params(self.engine)]
+
+    def _copy_in(self, weights: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, w in zip(_params(self.engine), weights):
+                p.copy_(w, non_blocking=True)
+
+    def _load(self, source: str) -> None:
+        from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+        from megatron_klear.checkpoint.hf_io import SafetensorsReader
+        from megatron_klear.checkpoint.state import load_checkpoint
+
+        if (Path(source) / "config.json").is_file() and any(Path(source).glob("*.safetensors")):
+            load_hf_weights(self.engine.model, self.engine.arch, SafetensorsReader(source))
+        elif load_checkpoint(source, self.engine.model, load_rng=False) is None:
+            raise CheckpointError(f"--ref-load {source}: neither a Hugging Face model dir "
+                                  "(config.json + *.safetensors) nor a checkpoint dir")
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The engine's model holds the reference weights inside the block."""
+        policy = self._host_copy()
+        self._copy_in(self.weights)
+        try:
+            yield
+        finally:
+            self._copy_in(policy)
