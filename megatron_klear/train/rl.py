@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.algo.losses import sft_loss
+from megatron_klear.algo.losses import LOSS_AGGREGATIONS, AggregationTotals, MicroCounts, \
+    aggregate_rl_loss, erc_band
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
@@ -120,6 +121,19 @@ class RLConfig(TrainConfig):
                                "micro-batches right-padded to the longest sequence)")
     share_prompts: bool = opt(False, "carry each prompt once per pack for its n samples (a "
                               "tree mask: --transformer-impl local only; docs/training.md)")
+    # Klear's released recipe (docs/recipe.md)
+    loss_aggregation: str = opt("token-mean", "how per-token losses become the loss: token-mean "
+                                "(the paper: mean over the mini-batch's tokens), "
+                                "token-mean-micro (Klear's released code: token mean per "
+                                "micro-batch x sequences / per-rank mini-batch size, "
+                                "averaged over DP), seq-mean-token-sum, seq-mean-token-mean "
+                                "(verl's sequence means); the SFT term likewise",
+                                choices=LOSS_AGGREGATIONS)
+    erc_low: float | None = opt(None, "ERC band lower bound of the entropy ratio (with "
+                                "--erc-high; ERC's scripts: 0.95), instead of "
+                                "--entropy-ratio-clip's symmetric 1 - delta")
+    erc_high: float | None = opt(None, "ERC band upper bound of the entropy ratio (with "
+                                 "--erc-low; ERC's scripts: 1.05)")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -138,6 +152,13 @@ class RLConfig(TrainConfig):
         if self.entropy_ratio_clip is not None and not self.entropy_ratio_clip > 0:
             raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
                               f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
+        try:
+            erc_band(self.entropy_ratio_clip, self.erc_low, self.erc_high)
+        except ValueError:
+            raise ConfigError(f"ERC's band: give --entropy-ratio-clip DELTA, or both --erc-low "
+                              f"and --erc-high with 0 <= low < high (e.g. 0.95 1.05), not both "
+                              f"forms; got delta {self.entropy_ratio_clip}, low {self.erc_low},"
+                              f" high {self.erc_high}") from None
         self.correction()
         if self.max_staleness < 1:
             raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
@@ -185,6 +206,12 @@ class RLConfig(TrainConfig):
 FIELDS = ("loss_mask", "advantages", "positive", "rollout_logprobs")  # per-label loss inputs
 
 
+def is_positive(batch: RolloutBatch, i: int) -> bool:
+    """Sample ``i`` scored the reward's maximum (the SFT term's positives, whatever the scale:
+    1 for the 0/1 and the +-1 rewards)."""
+    return batch.rewards[i] >= batch.max_score
+
+
 def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, list[float]]]:
     """Sample ``i`` as one sequence (prompt + response) and its per-label loss inputs.
 
@@ -196,7 +223,7 @@ def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, lis
     lp = list(batch.rollout_logprobs[i][:n])
     return p + resp, {"loss_mask": ctx + [1.0] * n,
                       "advantages": ctx + [float(batch.advantages[i])] * n,
-                      "positive": ctx + [float(batch.rewards[i] >= 1.0)] * n,
+                      "positive": ctx + [float(is_positive(batch, i))] * n,
                       "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
 
 
@@ -342,13 +369,59 @@ def sequence_ids(b: dict) -> torch.Tensor:
     return torch.arange(rows, device=b["loss_mask"].device)[:, None].expand_as(b["loss_mask"])
 
 
-def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: float):
-    """GPPO (or PPO/CISPO) + alpha * SFT, each a token-level mean over the mini-batch, with the
-    optional rollout correction (weights on the advantages) and ERC (old entropy per token)."""
+def micro_counts(b: dict) -> MicroCounts:
+    """A whole micro-batch's response tokens, positive tokens and responses (int64)."""
+    if "micro_counts" in b:   # counted before any context-parallel slicing
+        return MicroCounts(*b["micro_counts"].unbind())
+    mask = b["loss_mask"] > 0
+    seqs = sequence_ids(b)[mask].unique().numel()
+    return MicroCounts(mask.sum(), (mask & (b["positive"] > 0)).sum(),
+                       torch.tensor(seqs, device=mask.device))
+
+
+def seq_tokens(b: dict) -> torch.Tensor:
+    """Each label's response length (its sequence's masked tokens), shaped like the labels."""
+    ids, mask = sequence_ids(b), b["loss_mask"] > 0
+    shifted = ids - ids.min()   # THD marks padding -1
+    counts = torch.zeros(int(shifted.max()) + 1, dtype=torch.float32, device=mask.device)
+    counts.index_add_(0, shifted[mask], torch.ones(int(mask.sum()), device=mask.device))
+    return counts[shifted]
+
+
+def annotate_aggregation(mbs: list[dict]) -> None:
+    """Store each micro-batch's counts and per-token response lengths before the engine
+    slices it for context parallelism (the aggregations need whole-micro-batch numbers)."""
+    for b in mbs:
+        b["micro_counts"] = torch.stack(list(micro_counts(b)))
+        b["seq_tokens"] = seq_tokens(b)
+
+
+def aggregation_totals(batch: RolloutBatch, rows: Sequence[int]) -> AggregationTotals:
+    """The mini-batch ``rows``' counts that ``--loss-aggregation`` divides by."""
+    pos = [i for i in rows if is_positive(batch, i)]
+    return AggregationTotals(float(sum(len(batch.response_ids[i]) for i in rows)),
+                             float(sum(len(batch.response_ids[i]) for i in pos)),
+                             float(len(rows)), float(len(pos)),
+                             parallel_state.get_data_parallel_world_size())
+
+
+def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: float,
+                   totals: AggregationTotals | None = None):
+    """GPPO (or PPO/CISPO) + alpha * SFT aggregated as ``--loss-aggregation`` says (default: each
+    a token-level mean over the mini-batch, whose counts ``n_tokens`` / ``n_positive`` are),
+    with the optional rollout correction (weights on the advantages) and ERC (old entropy per
+    token). ``totals``: the mini-batch's counts (:func:`aggregation_totals`), needed by the
+    other aggregations."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     backend = loss_backend(cfg.loss_backend)
     correction = cfg.correction()
-    erc = cfg.entropy_ratio_clip is not None
+    erc = erc_band(cfg.entropy_ratio_clip, cfg.erc_low, cfg.erc_high) is not None
+    if totals is None:
+        if cfg.loss_aggregation != "token-mean":
+            raise ValueError(f"--loss-aggregation {cfg.loss_aggregation} needs the mini-batch's "
+                             "totals (aggregation_totals)")
+        totals = AggregationTotals(n_tokens, n_positive, 0.0, 0.0,
+                                   parallel_state.get_data_parallel_world_size())
 
     def loss_fn(logits, b):
         mask = b["loss_mask"]
@@ -368,14 +441,17 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, beta1=cfg.gppo_beta1,
             beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip,
             entropy_ratio_clip=cfg.entropy_ratio_clip, old_entropy=b["entropy"] if erc else None,
-            temperature=cfg.rollout_temperature, normalizer=max(n_tokens, 1.0),
-            compute_entropy=False, tp_group=tp_group, vocab_size=vocab_size, backend=backend,
-            inplace_backward=True)  # logits are not read after backward
-        sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
-        loss = out.loss + cfg.sft_alpha * sft
+            temperature=cfg.rollout_temperature, compute_entropy=False, tp_group=tp_group,
+            vocab_size=vocab_size, backend=backend,
+            inplace_backward=True,  # logits are not read after backward
+            erc_low=cfg.erc_low, erc_high=cfg.erc_high, reduction="none")
+        loss, pg, sft = aggregate_rl_loss(
+            cfg.loss_aggregation, out.loss, -out.logprobs, mask, b["positive"], cfg.sft_alpha,
+            totals, seq_tokens=b["seq_tokens"] if "seq_tokens" in b else seq_tokens(b),
+            micro=micro_counts(b))
         metrics.update({f"train/{k}": v.detach() * tokens for k, v in out.metrics.items()})
         mismatch = ((old - b["rollout_logprobs"]).abs() * mask).sum()
-        metrics.update({"train/policy_loss": out.loss.detach(), "train/sft_loss": sft.detach(),
+        metrics.update({"train/policy_loss": pg.detach(), "train/sft_loss": sft.detach(),
                         "train/loss": loss.detach(), "train/tokens": tokens,
                         "train/entropy": (b["entropy"] * mask).sum(),
                         "train/mismatch_abs_logprob": mismatch})
@@ -390,6 +466,8 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
     mbs_per_mini = [rollout_microbatches(batch, rows, cfg, pad_id) for rows in minis]
+    for mbs in mbs_per_mini:
+        annotate_aggregation(mbs)
     t0 = time.time()
     # the first mini-batch trains on the policy that sampled: its old log-probs come from its
     # own training forward (policy_loss_fn); the later ones need the pre-update policy
@@ -400,8 +478,9 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     t0 = time.time()
     for rows, mbs in zip(minis, mbs_per_mini):
         n_tok = sum(len(batch.response_ids[i]) for i in rows)
-        n_pos = sum(len(batch.response_ids[i]) for i in rows if batch.rewards[i] >= 1.0)
-        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, n_tok, n_pos))
+        n_pos = sum(len(batch.response_ids[i]) for i in rows if is_positive(batch, i))
+        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, n_tok, n_pos,
+                                                  aggregation_totals(batch, rows)))
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
     t_train = time.time() - t0

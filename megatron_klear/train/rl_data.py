@@ -35,6 +35,7 @@ class RolloutBatch:
     prompt_index: list[int] = field(default_factory=list)         # dataset index per sample
     advantages: list[float] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    max_score: float = 1.0      # the reward's maximum: samples scoring it are the positives
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -45,7 +46,7 @@ class RolloutBatch:
 
     def select_groups(self, keep: Sequence[int]) -> "RolloutBatch":
         """A batch of the given groups only (stats are kept)."""
-        out = RolloutBatch(self.group_size, stats=dict(self.stats))
+        out = RolloutBatch(self.group_size, stats=dict(self.stats), max_score=self.max_score)
         for g in keep:
             for i in range(g * self.group_size, (g + 1) * self.group_size):
                 for name in ("prompt_ids", "response_ids", "rollout_logprobs", "rewards",
