@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_klear.algo.advantages import group_advantages, zero_advantage_groups
 from megatron_klear.data.prompts import PromptSample, render_prompt
-from megatron_klear.rewards import score_batch
+from megatron_klear.rewards import reward_max_score, score_batch
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
 
 
@@ -93,7 +93,7 @@ def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[
     t0 = time.time()
     gens = client.generate(prompt_ids, params, seeds)
     t_gen = time.time() - t0
-    batch = RolloutBatch(params.n)
+    batch = RolloutBatch(params.n, max_score=reward_max_score(reward))
     texts, labels = [], []
     for p, ids, group in zip(prompts, prompt_ids, gens):
         for g in group:
