@@ -134,6 +134,20 @@ class RLConfig(TrainConfig):
                                 "--entropy-ratio-clip's symmetric 1 - delta")
     erc_high: float | None = opt(None, "ERC band upper bound of the entropy ratio (with "
                                  "--erc-low; ERC's scripts: 1.05)")
+    rollout_gen_batch_size: int | None = opt(None, "over-generation: prompts generated per "
+                                             "round (Klear: 256 for --rollout-batch-size 128);"
+                                             " the step trains on the informative groups left,"
+                                             " at most --rollout-batch-size, the last "
+                                             "mini-batch possibly partial; unset: refill to "
+                                             "whole mini-batches")
+    max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
+                                     "max_num_gen_batches=1); default --max-sampling-rounds")
+    filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
+                                    "spread in this: reward, or acc (reward == the reward's "
+                                    "maximum: Klear's filter_groups_metric=acc)",
+                                    choices=("reward", "acc"))
+    overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
+                                "group filter (no loss tokens, not in the group advantages)")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -160,6 +174,7 @@ class RLConfig(TrainConfig):
                               f"forms; got delta {self.entropy_ratio_clip}, low {self.erc_low},"
                               f" high {self.erc_high}") from None
         self.correction()
+        self.validate_generation()
         if self.max_staleness < 1:
             raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
                               f"--async-rollout), got {self.max_staleness}")
@@ -180,6 +195,17 @@ class RLConfig(TrainConfig):
                               "Engine's THD attention cannot express its tree mask): drop "
                               "--no-pack-sequences / use --transformer-impl local, or drop "
                               "--share-prompts")
+
+    def validate_generation(self) -> None:
+        """Over-generation flags (Klear's recipe, docs/recipe.md)."""
+        gen = self.rollout_gen_batch_size
+        if gen is not None and (gen < self.rollout_batch_size or not self.dynamic_sampling):
+            raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
+                              f"sampling: it needs --dynamic-sampling and >= "
+                              f"--rollout-batch-size {self.rollout_batch_size}")
+        if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
+            raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
+                              f"{self.max_gen_rounds}")
 
     def correction(self) -> RolloutCorrection | None:
         """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
@@ -209,7 +235,7 @@ FIELDS = ("loss_mask", "advantages", "positive", "rollout_logprobs")  # per-labe
 def is_positive(batch: RolloutBatch, i: int) -> bool:
     """Sample ``i`` scored the reward's maximum (the SFT term's positives, whatever the scale:
     1 for the 0/1 and the +-1 rewards)."""
-    return batch.rewards[i] >= batch.max_score
+    return batch.is_kept(i) and batch.rewards[i] >= batch.max_score
 
 
 def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, list[float]]]:
@@ -221,7 +247,7 @@ def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, lis
     p, resp = batch.prompt_ids[i], batch.response_ids[i]
     ctx, n = [0.0] * (len(p) - 1), len(resp)
     lp = list(batch.rollout_logprobs[i][:n])
-    return p + resp, {"loss_mask": ctx + [1.0] * n,
+    return p + resp, {"loss_mask": ctx + [float(batch.is_kept(i))] * n,
                       "advantages": ctx + [float(batch.advantages[i])] * n,
                       "positive": ctx + [float(is_positive(batch, i))] * n,
                       "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
@@ -396,12 +422,16 @@ def annotate_aggregation(mbs: list[dict]) -> None:
         b["seq_tokens"] = seq_tokens(b)
 
 
-def aggregation_totals(batch: RolloutBatch, rows: Sequence[int]) -> AggregationTotals:
-    """The mini-batch ``rows``' counts that ``--loss-aggregation`` divides by."""
-    pos = [i for i in rows if is_positive(batch, i)]
-    return AggregationTotals(float(sum(len(batch.response_ids[i]) for i in rows)),
+def aggregation_totals(batch: RolloutBatch, rows: Sequence[int],
+                       mini_sequences: int | None = None) -> AggregationTotals:
+    """The mini-batch ``rows``' counts that ``--loss-aggregation`` divides by: tokens of the
+    trained responses; sequences = ``mini_sequences``, the configured mini-batch size in
+    responses (verl divides a partial last mini-batch by it too), default the trained rows."""
+    kept = [i for i in rows if batch.is_kept(i)]
+    pos = [i for i in kept if is_positive(batch, i)]
+    return AggregationTotals(float(sum(len(batch.response_ids[i]) for i in kept)),
                              float(sum(len(batch.response_ids[i]) for i in pos)),
-                             float(len(rows)), float(len(pos)),
+                             float(mini_sequences or len(kept)), float(len(pos)),
                              parallel_state.get_data_parallel_world_size())
 
 
@@ -477,10 +507,9 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     totals: dict[str, float] = {}
     t0 = time.time()
     for rows, mbs in zip(minis, mbs_per_mini):
-        n_tok = sum(len(batch.response_ids[i]) for i in rows)
-        n_pos = sum(len(batch.response_ids[i]) for i in rows if is_positive(batch, i))
-        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, n_tok, n_pos,
-                                                  aggregation_totals(batch, rows)))
+        totals = aggregation_totals(batch, rows, per_mini)
+        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, totals.tokens,
+                                                  totals.positive_tokens, totals))
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
     t_train = time.time() - t0
@@ -577,8 +606,11 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
     ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
                                 params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
-                                max_rounds=cfg.max_sampling_rounds,
-                                normalize_std=cfg.advantage_std_norm)
+                                max_rounds=cfg.max_gen_rounds or cfg.max_sampling_rounds,
+                                normalize_std=cfg.advantage_std_norm,
+                                gen_batch_size=cfg.rollout_gen_batch_size,
+                                filter_metric=cfg.filter_groups_metric,
+                                overlong_filter=cfg.overlong_filter)
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
 
@@ -595,13 +627,26 @@ def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any
     metrics["rollout/staleness"] = float(step - version)  # weight updates since it began
     metrics["data/prompt_indices"] = sorted(set(batch.prompt_index))
     metrics["data/consumed_prompts"] = cursor  # the checkpoint resumes after this batch
-    usable = batch.groups() // cfg.mini_batch_size * cfg.mini_batch_size
+    usable = trainable_groups(cfg, batch.groups(), parallel_state.get_data_parallel_world_size())
     if usable == 0:  # fewer informative groups than one mini-batch even after refilling
         metrics["train/skipped_step"] = 1.0
         return metrics
     batch = batch.select_groups(range(usable))
     metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id))
     return metrics
+
+
+def trainable_groups(cfg: RLConfig, groups: int, dp: int) -> int:
+    """How many of a step's ``groups`` informative groups train: whole mini-batches, or with
+    over-generation (Klear) all of them up to --rollout-batch-size, rounded down so that the
+    responses split evenly over the ``dp`` data-parallel ranks (the official code rounds its
+    trajectories to the world size; the last mini-batch may be partial)."""
+    if cfg.rollout_gen_batch_size is None:
+        return groups // cfg.mini_batch_size * cfg.mini_batch_size
+    usable = min(groups, cfg.rollout_batch_size)
+    while usable and usable * cfg.n_samples_per_prompt % dp:
+        usable -= 1
+    return usable
 
 
 def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> dict:
