@@ -117,10 +117,25 @@ def test_overlong_filter_drops_responses_without_eos():
                                    (WRONG, "stop")]])
     batch = collect_batch(client, tok, PromptStream(prompts, 0), 1,
                           SamplingParams(n=4, max_new_tokens=64), "math_klear", max_rounds=1,
-                          filter_metric="acc", overlong_filter=True)
+                          filter_metric="acc", overlong_filter=True, prompt_limit=(5, "left"))
     assert batch.kept == [True, True, False, True]
+    full = tok(tok.apply_chat_template(prompts[0].messages, tokenize=False,
+                                       add_generation_prompt=True))["input_ids"]
+    assert len(full) > 5 and batch.prompt_ids[0] == full[-5:]    # left-truncated prompt
     s = math.sqrt(4 / 3)   # kept rewards 1, -1, -1: mean -1/3
     assert batch.advantages == pytest.approx([(4 / 3) / s, (-2 / 3) / s, 0.0, (-2 / 3) / s],
                                              rel=1e-5)
     assert max(sample_fields(batch, 2)[1]["loss_mask"]) == 0.0   # no loss tokens
     assert sample_fields(batch, 2)[1]["positive"][-1] == 0.0     # and not an SFT positive
+
+
+def test_prompt_left_truncation_and_error():
+    from megatron_klear.train.rl_data import limit_prompt
+
+    sample = PromptSample(7, [], None)
+    ids = list(range(10))
+    assert limit_prompt(ids, sample, (4, "left")) == [6, 7, 8, 9]      # keeps the end
+    assert limit_prompt(ids, sample, (10, "error")) == ids
+    assert limit_prompt(ids, sample, (4, "off")) == ids
+    with pytest.raises(ValueError, match="prompt 7 has 10 tokens.*--truncate-prompt left"):
+        limit_prompt(ids, sample, (4, "error"))

@@ -57,9 +57,10 @@ class RLConfig(TrainConfig):
     mini_batch_size: int = opt(16, "prompts per optimizer step (16 math, 32 code)")
     n_samples_per_prompt: int = opt(8, "responses per prompt (group size)")
     rollout_max_response_len: int = opt(256, "max new tokens per response")
-    rollout_max_prompt_len: int = opt(1024, "longest prompt in tokens that the --dry-run "
-                                      "memory plan budgets for (sequences are prompt + "
-                                      "--rollout-max-response-len); not enforced in training")
+    rollout_max_prompt_len: int = opt(1024, "longest prompt in tokens: the --dry-run memory "
+                                      "plan budgets for it (sequences are prompt + "
+                                      "--rollout-max-response-len), and --truncate-prompt "
+                                      "left|error enforces it in training (Klear: 4096, left)")
     rollout_temperature: float = opt(1.0, "sampling temperature")
     rollout_top_p: float = opt(1.0, "nucleus sampling")
     rollout_urls: list[str] | None = opt(None, "existing SGLang/embedded servers (else embedded)")
@@ -148,6 +149,10 @@ class RLConfig(TrainConfig):
                                     choices=("reward", "acc"))
     overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
                                 "group filter (no loss tokens, not in the group advantages)")
+    truncate_prompt: str = opt("off", "rendered prompts longer than --rollout-max-prompt-len: "
+                               "left keeps their last tokens (verl's truncation=left, Klear), "
+                               "error stops the run naming the prompt, off lets them through",
+                               choices=("off", "left", "error"))
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -610,7 +615,8 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
                                 normalize_std=cfg.advantage_std_norm,
                                 gen_batch_size=cfg.rollout_gen_batch_size,
                                 filter_metric=cfg.filter_groups_metric,
-                                overlong_filter=cfg.overlong_filter)
+                                overlong_filter=cfg.overlong_filter,
+                                prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt))
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
 

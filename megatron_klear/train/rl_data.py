@@ -94,14 +94,17 @@ class PromptStream:
 def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[PromptSample],
                        params: SamplingParams, reward: str, *, normalize_std: bool = True,
                        reward_workers: int | None = None, seeds: list[int] | None = None,
-                       overlong_filter: bool = False) -> RolloutBatch:
+                       overlong_filter: bool = False,
+                       prompt_limit: tuple[int, str] | None = None) -> RolloutBatch:
     """Sample ``params.n`` responses per prompt, score them and compute group advantages.
 
     ``overlong_filter`` (Klear's ``overlong_filter``) drops the responses that did not end in
     EOS (finish reason ``length``): they stay in the batch without loss tokens
-    (``kept`` False) and the group advantages use the kept responses only."""
-    prompt_ids = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)
-                  ["input_ids"] for p in prompts]
+    (``kept`` False) and the group advantages use the kept responses only. ``prompt_limit``
+    = (max tokens, ``left`` | ``error``): see :func:`limit_prompt`."""
+    prompt_ids = [limit_prompt(tokenizer(render_prompt(tokenizer, p.messages),
+                                         add_special_tokens=False)["input_ids"], p, prompt_limit)
+                  for p in prompts]
     t0 = time.time()
     gens = client.generate(prompt_ids, params, seeds)
     t_gen = time.time() - t0
@@ -130,11 +133,26 @@ def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[
     return batch
 
 
+def limit_prompt(ids: list[int], sample: PromptSample, limit: tuple[int, str] | None
+                 ) -> list[int]:
+    """A rendered prompt's token ids under ``limit`` = (max tokens, mode): ``left`` keeps the
+    last max tokens (verl's ``truncation='left'``, as Klear's scripts run it), ``error``
+    refuses a longer prompt; None or mode ``off``: unchanged."""
+    if limit is None or limit[1] == "off" or len(ids) <= limit[0]:
+        return ids
+    if limit[1] == "left":
+        return ids[-limit[0]:]
+    raise ValueError(f"prompt {sample.index} has {len(ids)} tokens, more than "
+                     f"--rollout-max-prompt-len {limit[0]}: raise it, filter the data, or pass "
+                     "--truncate-prompt left")
+
+
 def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, num_prompts: int,
                   params: SamplingParams, reward: str, *, dynamic_sampling: bool = True,
                   max_rounds: int = 4, normalize_std: bool = True,
                   gen_batch_size: int | None = None, filter_metric: str = "reward",
-                  overlong_filter: bool = False) -> RolloutBatch:
+                  overlong_filter: bool = False,
+                  prompt_limit: tuple[int, str] | None = None) -> RolloutBatch:
     """A batch of ``num_prompts`` groups, refilled past zero-advantage groups when asked.
 
     With dynamic sampling, rounds of ``gen_batch_size`` (default ``num_prompts``) prompts are
@@ -143,7 +161,7 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
     ``filter_metric`` has no spread among its kept responses: ``reward``, or ``acc`` (reward ==
     the reward's maximum; with format penalties a group can have reward spread and no accuracy
     spread). Of more informative groups than needed, the first ``num_prompts`` are kept.
-    ``overlong_filter``: see :func:`generate_and_score`.
+    ``overlong_filter``, ``prompt_limit``: see :func:`generate_and_score`.
     """
     out = RolloutBatch(params.n, max_score=reward_max_score(reward))
     drawn = zero = 0
@@ -156,7 +174,7 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
         got = generate_and_score(client, tokenizer, [p for _, p in drawn_now], params, reward,
                                  normalize_std=normalize_std,
                                  seeds=[stream.sampling_seed(pos) for pos, _ in drawn_now],
-                                 overlong_filter=overlong_filter)
+                                 overlong_filter=overlong_filter, prompt_limit=prompt_limit)
         for k, v in got.stats.items():
             out.stats[k] = out.stats.get(k, 0.0) + v
         drawn += got.groups()
