@@ -153,6 +153,10 @@ class RLConfig(TrainConfig):
                                "left keeps their last tokens (verl's truncation=left, Klear), "
                                "error stops the run naming the prompt, off lets them through",
                                choices=("off", "left", "error"))
+    eval_temperature: float | None = opt(None, "--eval-data sampling temperature (Klear: 0.6); "
+                                         "default --rollout-temperature")
+    eval_top_p: float | None = opt(None, "--eval-data nucleus sampling (Klear: 0.95); default "
+                                   "--rollout-top-p")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -685,7 +689,10 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
                           prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                           answer_format=cfg.answer_format)
         params = SamplingParams(max_new_tokens=cfg.rollout_max_response_len,
-                                temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
+                                temperature=cfg.rollout_temperature
+                                if cfg.eval_temperature is None else cfg.eval_temperature,
+                                top_p=cfg.rollout_top_p if cfg.eval_top_p is None
+                                else cfg.eval_top_p,
                                 stop_token_ids=[tokenizer.eos_token_id])
         report = evaluate(client, tokenizer, [bench], k=cfg.eval_k, params=params,
                           progress=False)["eval"]
