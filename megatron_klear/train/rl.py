@@ -516,9 +516,9 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     totals: dict[str, float] = {}
     t0 = time.time()
     for rows, mbs in zip(minis, mbs_per_mini):
-        totals = aggregation_totals(batch, rows, per_mini)
-        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, totals.tokens,
-                                                  totals.positive_tokens, totals))
+        counts = aggregation_totals(batch, rows, per_mini)
+        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, counts.tokens,
+                                                  counts.positive_tokens, counts))
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
     t_train = time.time() - t0
