@@ -4,9 +4,9 @@
 ``"code_klear"`` (Klear's +-1 with format penalties, rewards/klear.py) or
 ``get_reward("pkg.module:function")`` returns a ``RewardFn(response, label) -> float``;
 ``register_reward`` adds a name. A reward's best score is its ``max_score`` attribute (default
-1.0): responses reaching it are the positives of the RL SFT term (:func:`reward_max_score`). ``score_batch``
-scores many responses with a bounded pool and never raises on garbage responses. Modules
-are imported lazily so that importing this package stays cheap.
+1.0): responses reaching it are the positives of the RL SFT term (:func:`reward_max_score`).
+``score_batch`` scores many responses with a bounded pool and never raises on garbage
+responses. Modules are imported lazily so that importing this package stays cheap.
 """
 
 from __future__ import annotations
