@@ -43,6 +43,7 @@ CODE_TABLE = [   # (response, reward)
     (f"{T} I would just print the double.", -1.0),   # no code block: -1
     (_code(DOUBLE, think="<think>unfinished"), -0.5),
     (_code(DOUBLE, think="done</think>"), -2.0),
+    (_code(DOUBLE, think=""), -0.5),                 # neither tag: -0.5 is checked first
     ("<think>```python\n" + DOUBLE + "\n```</think> see above", -1.0),  # code only in thinking
 ]
 
