@@ -63,14 +63,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cpu(
     const at::Tensor& logp, const at::Tensor& old_logp, const at::Tensor& adv,
     const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& old_entropy,
     int64_t loss_type, double eps_low, double eps_high, double beta1, double beta2,
-    double dual_clip, double entropy_ratio_clip) {
+    double dual_clip, double erc_low, double erc_high) {
   const klear::TokenInputs ent =
-      klear::check_tokens(logp, old_logp, adv, entropy, old_entropy, entropy_ratio_clip);
+      klear::check_tokens(logp, old_logp, adv, entropy, old_entropy, erc_high);
   const auto &lp = logp, &old = old_logp, &a = adv;
   auto loss = at::empty_like(lp), dlogp = at::empty_like(lp), ratio = at::empty_like(lp);
   const klear::TokenLossParams p =
-      klear::token_params(loss_type, eps_low, eps_high, beta1, beta2, dual_clip,
-                          entropy_ratio_clip);
+      klear::token_params(loss_type, eps_low, eps_high, beta1, beta2, dual_clip, erc_low,
+                          erc_high);
   klear::cpu::token_policy_loss(lp.const_data_ptr<float>(), old.const_data_ptr<float>(),
                                 a.const_data_ptr<float>(), ent.entropy, ent.old_entropy,
                                 lp.numel(), p,
@@ -89,7 +89,7 @@ TORCH_LIBRARY(klear, m) {
         "Tensor grad_logp, Tensor? grad_entropy, int valid, float inv_temp) -> Tensor(a!)");
   m.def("token_policy_loss(Tensor logp, Tensor old_logp, Tensor adv, Tensor? entropy, "
         "Tensor? old_entropy, int loss_type, float eps_low, float eps_high, float beta1, "
-        "float beta2, float dual_clip, float entropy_ratio_clip) -> (Tensor, Tensor, Tensor)");
+        "float beta2, float dual_clip, float erc_low, float erc_high) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(klear, CPU, m) {

@@ -64,15 +64,15 @@ struct TokenInputs {
 inline TokenInputs check_tokens(const at::Tensor& logp, const at::Tensor& old_logp,
                                 const at::Tensor& adv, const std::optional<at::Tensor>& entropy,
                                 const std::optional<at::Tensor>& old_entropy,
-                                double entropy_ratio_clip) {
+                                double erc_high) {
   for (const at::Tensor* t : {&logp, &old_logp, &adv})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->numel() == logp.numel() && t->device() == logp.device(),
                 "klear: token_policy_loss takes three contiguous float32 tensors of one size");
-  const bool erc = entropy_ratio_clip > 0.0;
+  const bool erc = erc_high > 0.0;
   TORCH_CHECK(entropy.has_value() == erc && old_entropy.has_value() == erc,
               "klear: token_policy_loss needs entropy and old_entropy exactly when "
-              "entropy_ratio_clip > 0 (got entropy_ratio_clip=", entropy_ratio_clip, ")");
+              "erc_high > 0 (got erc_high=", erc_high, ")");
   if (!erc) return {nullptr, nullptr};
   for (const auto* t : {&*entropy, &*old_entropy})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
@@ -83,17 +83,17 @@ inline TokenInputs check_tokens(const at::Tensor& logp, const at::Tensor& old_lo
   return {entropy->const_data_ptr<float>(), old_entropy->const_data_ptr<float>()};
 }
 
-// entropy_ratio_clip = ERC's delta (> 0 enables it); its bounds 1 -/+ delta are computed in
-// double and rounded to float, as torch compares fp32 ratios with Python-float bounds.
+// ERC's band (erc_low, erc_high) of the entropy ratio (erc_high > 0 enables it: 1 -/+ delta or
+// two free bounds, computed by the caller in double) is rounded to float, as torch compares
+// fp32 ratios with Python-float bounds.
 inline TokenLossParams token_params(int64_t loss_type, double eps_low, double eps_high,
                                     double beta1, double beta2, double dual_clip,
-                                    double entropy_ratio_clip) {
+                                    double erc_low, double erc_high) {
   TORCH_CHECK(loss_type >= kPPO && loss_type <= kCISPO, "klear: unknown loss_type ", loss_type);
-  const bool erc = entropy_ratio_clip > 0.0;
+  const bool erc = erc_high > 0.0;
   return {static_cast<int>(loss_type), static_cast<float>(eps_low), static_cast<float>(eps_high),
           static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(dual_clip),
-          erc ? static_cast<float>(1.0 - entropy_ratio_clip) : 0.0f,
-          erc ? static_cast<float>(1.0 + entropy_ratio_clip) : -1.0f};
+          erc ? static_cast<float>(erc_low) : 0.0f, erc ? static_cast<float>(erc_high) : -1.0f};
 }
 
 // The backward op comes in two schemas, `logprob_backward` (new gradient tensor) and

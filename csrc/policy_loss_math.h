@@ -16,6 +16,9 @@
 
 namespace klear {
 
+// ERC's code clamps log r to [-20, 20] before exp (algo/losses.py ERC_MAX_LOG_RATIO).
+constexpr float kErcMaxLogRatio = 20.0f;
+
 enum LossType : int { kPPO = 0, kGPPO = 1, kCISPO = 2 };
 
 struct TokenLossParams {
@@ -25,8 +28,8 @@ struct TokenLossParams {
   float beta1;       // GPPO scale (value and gradient) of the low case
   float beta2;       // GPPO scale (value and gradient) of the high case
   float dual_clip;   // c > 1 caps the loss of A < 0 tokens at -c A; <= 0 disables it
-  float erc_low;     // ERC keeps the gradient where erc_low < rho < erc_high (1 -/+ delta,
-  float erc_high;    // rounded from double); erc_high <= 0 disables ERC
+  float erc_low;     // ERC keeps the gradient where erc_low < rho < erc_high (1 -/+ delta or
+  float erc_high;    // free bounds, rounded from double); erc_high <= 0 disables ERC
 };
 
 struct TokenLoss {
@@ -58,15 +61,22 @@ KLEAR_HD TokenLoss token_surrogate(float logp, float r, float adv, const TokenLo
 }
 
 // One token: the surrogate, the dual clip min(-c A, loss) for A < 0 (constant where it caps),
-// then ERC's gradient mask m l + (1 - m) sg(l) (entropies only read when ERC is on).
+// then ERC's gradient mask m l + (1 - m) sg(l) (entropies only read when ERC is on). With ERC
+// log r is clamped to [-20, 20] first; the clamp passes no gradient to r outside that range
+// (CISPO's gradient does not go through r).
 KLEAR_HD TokenLoss token_policy_loss(float logp, float old_logp, float adv, float entropy,
                                      float old_entropy, const TokenLossParams& p) {
-  TokenLoss t = token_surrogate(logp, expf(logp - old_logp), adv, p);
+  const bool erc = p.erc_high > 0.0f;
+  float log_r = logp - old_logp;
+  const bool clamped = erc && (log_r < -kErcMaxLogRatio || log_r > kErcMaxLogRatio);
+  if (clamped) log_r = fminf(fmaxf(log_r, -kErcMaxLogRatio), kErcMaxLogRatio);
+  TokenLoss t = token_surrogate(logp, expf(log_r), adv, p);
+  if (clamped && p.type != kCISPO) t.dlogp = 0.0f;
   if (p.dual_clip > 0.0f && adv < 0.0f && t.loss > -p.dual_clip * adv) {
     t.loss = -p.dual_clip * adv;
     t.dlogp = 0.0f;
   }
-  if (p.erc_high > 0.0f && !entropy_ratio_kept(entropy, old_entropy, p)) t.dlogp = 0.0f;
+  if (erc && !entropy_ratio_kept(entropy, old_entropy, p)) t.dlogp = 0.0f;
   return t;
 }
 

@@ -148,14 +148,13 @@ class EmulatedOps:
         return self._backward(logits, logits, *args)
 
     def token_policy_loss(self, logp, old_logp, adv, entropy, old_entropy, loss_type, eps_low,
-                          eps_high, beta1, beta2, dual_clip, entropy_ratio_clip):
-        """As csrc/cuda_binding.cpp: ERC's bounds 1 -/+ delta in double, rounded to float
+                          eps_high, beta1, beta2, dual_clip, erc_low, erc_high):
+        """As csrc/cuda_binding.cpp: ERC's band (erc_high > 0 enables it) rounded to float
         (op_checks.h token_params)."""
-        if (entropy is not None) != (entropy_ratio_clip > 0):
+        if (entropy is not None) != (erc_high > 0):
             raise RuntimeError("klear: token_policy_loss needs entropy and old_entropy exactly "
-                               "when entropy_ratio_clip > 0")
-        erc = (1.0 - entropy_ratio_clip, 1.0 + entropy_ratio_clip) \
-            if entropy_ratio_clip > 0 else (0.0, -1.0)
+                               "when erc_high > 0")
+        erc = (erc_low, erc_high) if erc_high > 0 else (0.0, -1.0)
         loss, dlogp, ratio = (torch.empty_like(logp) for _ in range(3))
         params = _TokenParams(loss_type, eps_low, eps_high, beta1, beta2, dual_clip, *erc)
         self._check(self.lib.klear_token_policy_loss_cuda(

@@ -219,10 +219,43 @@ def test_kernel_ops_check_every_input():
         ops.logprob_stats(x.t(), t, 6, 1.0)
     tok = (torch.zeros(6), torch.zeros(6), torch.ones(6))
     hyper = (1, 0.2, 0.28, 1.0, 1.0, -1.0)
-    assert ops.token_policy_loss(*tok, torch.ones(6), torch.ones(6), *hyper, 0.05)[0].shape == (6,)
+    assert ops.token_policy_loss(*tok, torch.ones(6), torch.ones(6), *hyper, 0.95,
+                                 1.05)[0].shape == (6,)
     with pytest.raises(RuntimeError, match="needs entropy and old_entropy exactly when"):
-        ops.token_policy_loss(*tok, None, None, *hyper, 0.05)
+        ops.token_policy_loss(*tok, None, None, *hyper, 0.95, 1.05)
     with pytest.raises(RuntimeError, match="needs entropy and old_entropy exactly when"):
-        ops.token_policy_loss(*tok, torch.ones(6), torch.ones(6), *hyper, -1.0)
+        ops.token_policy_loss(*tok, torch.ones(6), torch.ones(6), *hyper, 0.0, -1.0)
     with pytest.raises(RuntimeError, match="entropy and old_entropy must be contiguous float32"):
-        ops.token_policy_loss(*tok, torch.ones(6), torch.ones(5), *hyper, 0.05)
+        ops.token_policy_loss(*tok, torch.ones(6), torch.ones(5), *hyper, 0.95, 1.05)
+
+
+@pytest.mark.parametrize("device,backend", FUSED + [("cpu", "torch")])
+def test_erc_band_and_log_ratio_clamp_by_hand_through_the_op(device, backend):
+    """ERC with the free band (0.9, 1.3) and ERC's clamp of log r to [-20, 20], through the
+    whole op: rows (log r, A, H / H_old) = (+25, 1, 1): high clip at the clamped ratio e^20,
+    value -1.28, no gradient; (-25, -1, 1): low clip, value 0.8, no gradient; (log 1.1, 0.7,
+    1.2): kept (a symmetric delta 0.1 would drop it); (log 1.1, 0.7, 0.85): dropped;
+    (log 0.9, -0.3, 1): kept. Expected values from math.exp/log (policy_loss_cases)."""
+    import math
+
+    from tests.policy_loss_cases import HAND_ROWS, HAND_TARGETS, _hand_row
+    log_r = [25.0, -25.0, math.log(1.1), math.log(1.1), math.log(0.9)]
+    adv, rho = [1.0, -1.0, 0.7, 0.7, -0.3], [1.0, 1.0, 1.2, 0.85, 1.0]
+    rows = [_hand_row(row, t) for row, t in zip(HAND_ROWS, HAND_TARGETS)]
+    old = torch.tensor([lp - lr for (lp, _, _), lr in zip(rows, log_r)])
+    old_ent = torch.tensor([h / q for (_, _, h), q in zip(rows, rho)])
+    values = [-1.28, 0.8, -1.1 * 0.7, -1.1 * 0.7, 0.9 * 0.3]
+    dlogp = [0.0, 0.0, -1.1 * 0.7, 0.0, 0.9 * 0.3]
+    grad = torch.tensor([[d / 5 * ((j == t) - q) for j, q in enumerate(p)]
+                         for d, (_, p, _), t in zip(dlogp, rows, HAND_TARGETS)])
+    x = torch.tensor(HAND_ROWS, device=device, requires_grad=True)
+    with backend_for(backend) as used:
+        out = vocab_parallel_policy_loss(
+            x, torch.tensor(HAND_TARGETS, device=device), old.to(device),
+            torch.tensor(adv, device=device), torch.ones(5, device=device), loss_type="gppo",
+            erc_low=0.9, erc_high=1.3, old_entropy=old_ent.to(device), backend=used)
+        out.loss.backward()
+    assert out.loss.item() == pytest.approx(sum(values) / 5, abs=1e-6)
+    torch.testing.assert_close(x.grad.cpu(), grad, rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(x.grad[[0, 1, 3]]) == 0
+    assert out.ratio[0].item() == pytest.approx(math.exp(20.0), rel=1e-6)

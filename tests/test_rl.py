@@ -270,21 +270,35 @@ def _rl_train(rank, world, argv):
     return train(parse_config(RLConfig, argv))
 
 
+# pp2 runs Klear's recipe flags (docs/recipe.md): 8 prompts generated for 4, one round, the
+# accuracy filter, the per-micro-batch aggregation, dual clip, an ERC band, left truncation
+KLEAR = ["--rollout-gen-batch-size", "8", "--max-gen-rounds", "1", "--filter-groups-metric",
+         "acc", "--loss-aggregation", "token-mean-micro", "--dual-clip", "10", "--erc-low", "0.9",
+         "--erc-high", "1.2", "--truncate-prompt", "left", "--rollout-max-prompt-len", "16"]
+
+
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
                                     ["--pipeline-model-parallel-size", "2",
-                                     "--weight-sync-format", "per_tensor"]], ids=["tp2", "pp2"])
+                                     "--weight-sync-format", "per_tensor", *KLEAR]],
+                         ids=["tp2", "pp2-klear"])
 def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
     args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, "--eval-data", str(prompts),
                     "--eval-interval", "2", "--eval-k", "2",
                     "--max-sampling-rounds", "8")  # refilling 4 groups must not hinge on luck
     hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
+    klear = "--rollout-gen-batch-size" in layout
     assert len(hist) == 3
     assert "eval/avg@2" not in hist[0] and hist[1]["eval/problems"] == 12  # periodic eval
     assert 0.0 <= hist[1]["eval/avg@2"] <= hist[1]["eval/pass@2"] <= 0.5  # "never" half is 0
-    for m in hist:
+    for step, m in enumerate(hist, 1):
+        assert m["rollout/zero_adv_frac"] > 0
+        if klear:   # one round of 8, no refill: what is left trains, at most 4 groups
+            assert m["rollout/prompts_drawn"] == 8 and m["data/consumed_prompts"] == 8 * step
+            assert 0 < m["rollout/groups_kept"] <= 4
+            assert m["train/optimizer_steps"] == math.ceil(m["rollout/groups_kept"] / 2)
+            continue
         assert m["rollout/groups_kept"] == 4  # refilled to the full batch ...
         assert m["rollout/prompts_drawn"] > 4  # ... past the "never" groups it dropped
-        assert m["rollout/zero_adv_frac"] > 0
         assert m["train/optimizer_steps"] == 2
         assert m["weight_sync/probe_max_abs_diff"] < 1e-4  # server == trainer after sync
     means = [m["weight_sync/probe_logprob_mean"] for m in hist]

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_klear.algo.losses import (aggregate, check_loss_args, erc_metrics,
-                                        per_token_policy_loss, policy_metrics)
+from megatron_klear.algo.losses import (ERC_MAX_LOG_RATIO, aggregate, check_loss_args,
+                                        erc_band, erc_metrics, per_token_policy_loss,
+                                        policy_metrics)
 
 __all__ = ["PolicyLossOutput", "vocab_parallel_policy_loss", "vocab_parallel_logprobs",
            "available_backends", "resolve_backend"]
@@ -40,7 +41,7 @@ _KERNEL_LOSS_TYPES = {"ppo": 0, "gppo": 1, "cispo": 2}
 class PolicyLossOutput(NamedTuple):
     """Result of :func:`vocab_parallel_policy_loss` (per-token tensors shaped like the targets)."""
 
-    loss: Tensor              # scalar, differentiable w.r.t. the logits shard
+    loss: Tensor              # scalar (per token with reduction="none"), differentiable
     logprobs: Tensor          # differentiable w.r.t. the logits shard
     ratio: Tensor             # exp(logprobs - old_logprobs), detached
     entropy: Tensor | None    # of the temperature-scaled distribution (when compute_entropy)
@@ -302,18 +303,24 @@ def vocab_parallel_policy_loss(
         old_entropy: Tensor | None = None, temperature: float = 1.0,
         normalizer: float | Tensor | None = None, compute_entropy: bool = False, tp_group=None,
         backend: str = "auto", vocab_size: int | None = None, inplace_backward: bool = False,
+        erc_low: float | None = None, erc_high: float | None = None, reduction: str = "mean",
 ) -> PolicyLossOutput:
     """Token-level policy loss straight from vocab-sharded logits [T, V/TP] or [B, S, V/TP].
 
     ``loss`` and ``logprobs`` are differentiable w.r.t. the logits shard (add e.g.
     ``alpha * sft_loss(out.logprobs, positive_mask)`` to the loss). ``inplace_backward=True``
     lets the fused backends write the gradient into the logits buffer (the logits must not be
-    needed after backward). ``entropy_ratio_clip`` (ERC's delta) needs ``old_entropy``, the
-    behaviour policy's per-token entropy at the same temperature. See
-    :func:`megatron_klear.algo.losses.policy_loss` for the losses.
+    needed after backward). ERC (``entropy_ratio_clip`` = delta, or the band ``erc_low`` /
+    ``erc_high``) needs ``old_entropy``, the behaviour policy's per-token entropy at the same
+    temperature. ``reduction="none"`` returns the per-token losses (shaped like the targets,
+    unmasked) for the caller to aggregate (:func:`~megatron_klear.algo.losses.aggregate_rl_loss`).
+    See :func:`megatron_klear.algo.losses.policy_loss` for the losses.
     """
-    check_loss_args(loss_type, dual_clip, entropy_ratio_clip)
-    erc = entropy_ratio_clip is not None
+    check_loss_args(loss_type, dual_clip, entropy_ratio_clip, erc_low, erc_high)
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none' (got {reduction!r})")
+    band = erc_band(entropy_ratio_clip, erc_low, erc_high)
+    erc = band is not None
     if erc and old_entropy is None:
         raise ValueError("entropy_ratio_clip needs old_entropy (the behaviour policy's "
                          "per-token entropy, e.g. from vocab_parallel_logprobs(..., "
@@ -330,20 +337,25 @@ def vocab_parallel_policy_loss(
     ent = entropy.detach() if erc else None
     if used != "torch" and loss_type in _KERNEL_LOSS_TYPES:
         hyper = (eps_low, eps_high, beta1, beta2, -1.0 if dual_clip is None else dual_clip,
-                 entropy_ratio_clip if erc else -1.0)
+                 *(band if erc else (0.0, -1.0)))
         per_token, ratio = _FusedTokenLoss.apply(logp, old, adv, (ent, old_ent) if erc else None,
                                                  loss_type, hyper)
     else:
         per_token = per_token_policy_loss(loss_type, logp, old, adv, eps_low=eps_low,
                                           eps_high=eps_high, beta1=beta1, beta2=beta2,
                                           dual_clip=dual_clip, entropy=ent, old_entropy=old_ent,
-                                          entropy_ratio_clip=entropy_ratio_clip)
-        ratio = torch.exp(logp - old).detach()
+                                          entropy_ratio_clip=entropy_ratio_clip,
+                                          erc_low=erc_low, erc_high=erc_high)
+        log_ratio = logp - old
+        if erc:   # the clamp of ERC's code (algo/losses.py ERC_MAX_LOG_RATIO)
+            log_ratio = log_ratio.clamp(-ERC_MAX_LOG_RATIO, ERC_MAX_LOG_RATIO)
+        ratio = torch.exp(log_ratio).detach()
     metrics = policy_metrics(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)
     if erc:
-        metrics.update(erc_metrics(ent, old_ent, entropy_ratio_clip, mask))
+        metrics.update(erc_metrics(ent, old_ent, None, mask, low=band[0], high=band[1]))
     entropy = entropy if compute_entropy else None
-    return PolicyLossOutput(aggregate(per_token, mask, normalizer), logp.view(lead),
+    loss = per_token.view(lead) if reduction == "none" else aggregate(per_token, mask, normalizer)
+    return PolicyLossOutput(loss, logp.view(lead),
                             ratio.view(lead), None if entropy is None else entropy.view(lead),
                             metrics)
 

@@ -1,9 +1,12 @@
 """Reward functions, picked by name from RL configs.
 
-``get_reward("math")``, ``get_reward("code")`` or ``get_reward("pkg.module:function")`` returns
-a ``RewardFn(response, label) -> float``; ``register_reward`` adds a name. ``score_batch``
-scores many responses with a bounded pool and never raises on garbage responses. Modules
-are imported lazily so that importing this package stays cheap.
+``get_reward("math")``, ``get_reward("code")`` (0/1 and pass rate), ``"math_klear"`` /
+``"code_klear"`` (Klear's +-1 with format penalties, rewards/klear.py) or
+``get_reward("pkg.module:function")`` returns a ``RewardFn(response, label) -> float``;
+``register_reward`` adds a name. A reward's best score is its ``max_score`` attribute (default
+1.0): responses reaching it are the positives of the RL SFT term (:func:`reward_max_score`).
+``score_batch`` scores many responses with a bounded pool and never raises on garbage
+responses. Modules are imported lazily so that importing this package stays cheap.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ RewardFn = Callable[[str, Any], float]
 log = logging.getLogger(__name__)
 
 _BUILTIN = {"math": "megatron_klear.rewards.math:math_reward",
-            "code": "megatron_klear.rewards.code:code_reward"}
+            "code": "megatron_klear.rewards.code:code_reward",
+            "math_klear": "megatron_klear.rewards.klear:math_klear",
+            "code_klear": "megatron_klear.rewards.klear:code_klear"}
 _registry: dict[str, RewardFn] = {}
 _lock = threading.Lock()
 
@@ -55,6 +60,11 @@ def get_reward(name: str) -> RewardFn:
         return fn
     raise ValueError(f"unknown reward {name!r}: use one of {sorted(set(_BUILTIN) | set(_registry))} "
                      "or an import path 'package.module:function'")
+
+
+def reward_max_score(name: str) -> float:
+    """The best score of the reward ``name``: its function's ``max_score`` attribute, else 1."""
+    return float(getattr(get_reward(name), "max_score", 1.0))
 
 
 def _safe(fn: RewardFn, response: str, label: Any) -> float:

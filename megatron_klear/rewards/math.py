@@ -88,8 +88,16 @@ def verify_in_process(response: str, answer: Any) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=INNER_TIMEOUT_S) else 0.0
 
 
+def _verifiers() -> dict:
+    """The worker's verification modes: name -> (function(text, answer), score on failure)."""
+    from megatron_klear.rewards.klear import INCORRECT, verify_answer
+
+    return {"binary": (verify_in_process, 0.0), "klear": (verify_answer, INCORRECT)}
+
+
 def _serve() -> None:
-    """Worker loop: one JSON [response, answer] per stdin line -> one score per stdout line."""
+    """Worker loop: one JSON [response, answer, mode] per stdin line -> one score per stdout
+    line (modes: :func:`_verifiers`)."""
     import logging
 
     from megatron_klear.orphans import exit_when_orphaned
@@ -100,12 +108,15 @@ def _serve() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
+    verifiers = _verifiers()
     for line in sys.stdin:
+        fn, failed = verifiers["binary"]
         try:
-            response, answer = json.loads(line)
-            score = verify_in_process(response, answer)
-        except Exception:  # noqa: BLE001 - garbage in, 0.0 out
-            score = 0.0
+            response, answer, mode = json.loads(line)
+            fn, failed = verifiers[mode]
+            score = fn(response, answer)
+        except Exception:  # noqa: BLE001 - garbage in, the mode's failure score out
+            score = failed
         out.write(f"{score}\n")
         out.flush()
 
@@ -126,10 +137,11 @@ class _Worker:
             self.lines.put(line)
         self.lines.put("")  # EOF: the worker died
 
-    def score(self, response: str, answer: str, timeout_s: float) -> float | None:
+    def score(self, response: str, answer: Any, timeout_s: float, mode: str = "binary"
+              ) -> float | None:
         """The score, or None when the worker overran or died (it is then unusable)."""
         try:
-            self.proc.stdin.write(json.dumps([response, answer]) + "\n")
+            self.proc.stdin.write(json.dumps([response, answer, mode]) + "\n")
             self.proc.stdin.flush()
             line = self.lines.get(timeout=timeout_s)
         except (OSError, queue.Empty):
@@ -149,23 +161,29 @@ class MathVerifierPool:
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._slots = threading.Semaphore(self.max_workers)
 
-    def score(self, response: str, answer: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
-        """math_reward through a worker with a hard deadline; 0.0 on any failure."""
-        try:
-            gold = gold_text(answer)
-        except TypeError:
-            return 0.0
+    def score(self, response: str, answer: Any, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+              mode: str = "binary", failed: float = 0.0) -> float:
+        """math_reward (``mode="binary"``; ``"klear"``: rewards/klear.py's ``verify_answer`` on
+        a list of reference strings) through a worker with a hard deadline; ``failed`` on any
+        failure."""
+        if mode == "binary":
+            try:
+                gold = gold_text(answer)
+            except TypeError:
+                return failed
+        else:
+            gold = answer
         if not isinstance(response, str):
-            return 0.0
+            return failed
         with self._slots:
             try:
                 worker = self._idle.get_nowait()
             except queue.Empty:
                 worker = _Worker()
-            result = worker.score(response, gold, timeout_s)
+            result = worker.score(response, gold, timeout_s, mode)
             if result is None:
                 worker.kill()
-                return 0.0
+                return failed
             self._idle.put(worker)
             return result
 

@@ -18,7 +18,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.algo.kl import KL_ESTIMATORS, kl_per_token
-from megatron_klear.algo.losses import aggregate, sft_loss
+from megatron_klear.algo.losses import LOSS_AGGREGATIONS, AggregationTotals, MicroCounts, \
+    aggregate_rl_loss, erc_band
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, TrainConfig, opt
@@ -61,9 +62,10 @@ class RLConfig(TrainConfig):
     mini_batch_size: int = opt(16, "prompts per optimizer step (16 math, 32 code)")
     n_samples_per_prompt: int = opt(8, "responses per prompt (group size)")
     rollout_max_response_len: int = opt(256, "max new tokens per response")
-    rollout_max_prompt_len: int = opt(1024, "longest prompt in tokens that the --dry-run "
-                                      "memory plan budgets for (sequences are prompt + "
-                                      "--rollout-max-response-len); not enforced in training")
+    rollout_max_prompt_len: int = opt(1024, "longest prompt in tokens: the --dry-run memory "
+                                      "plan budgets for it (sequences are prompt + "
+                                      "--rollout-max-response-len), and --truncate-prompt "
+                                      "left|error enforces it in training (Klear: 4096, left)")
     rollout_temperature: float = opt(1.0, "sampling temperature")
     rollout_top_p: float = opt(1.0, "nucleus sampling")
     rollout_urls: list[str] | None = opt(None, "existing SGLang/embedded servers (else embedded)")
@@ -145,6 +147,42 @@ class RLConfig(TrainConfig):
                                "dir (default: --hf-checkpoint); e.g. the SFT checkpoint an RL "
                                "run started from")
 
+    # Klear's released recipe (docs/recipe.md)
+    loss_aggregation: str = opt("token-mean", "how per-token losses become the loss: token-mean "
+                                "(the paper: mean over the mini-batch's tokens), "
+                                "token-mean-micro (Klear's released code: token mean per "
+                                "micro-batch x sequences / per-rank mini-batch size, "
+                                "averaged over DP), seq-mean-token-sum, seq-mean-token-mean "
+                                "(verl's sequence means); the SFT term likewise",
+                                choices=LOSS_AGGREGATIONS)
+    erc_low: float | None = opt(None, "ERC band lower bound of the entropy ratio (with "
+                                "--erc-high; ERC's scripts: 0.95), instead of "
+                                "--entropy-ratio-clip's symmetric 1 - delta")
+    erc_high: float | None = opt(None, "ERC band upper bound of the entropy ratio (with "
+                                 "--erc-low; ERC's scripts: 1.05)")
+    rollout_gen_batch_size: int | None = opt(None, "over-generation: prompts generated per "
+                                             "round (Klear: 256 for --rollout-batch-size 128);"
+                                             " the step trains on the informative groups left,"
+                                             " at most --rollout-batch-size, the last "
+                                             "mini-batch possibly partial; unset: refill to "
+                                             "whole mini-batches")
+    max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
+                                     "max_num_gen_batches=1); default --max-sampling-rounds")
+    filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
+                                    "spread in this: reward, or acc (reward == the reward's "
+                                    "maximum: Klear's filter_groups_metric=acc)",
+                                    choices=("reward", "acc"))
+    overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
+                                "group filter (no loss tokens, not in the group advantages)")
+    truncate_prompt: str = opt("off", "rendered prompts longer than --rollout-max-prompt-len: "
+                               "left keeps their last tokens (verl's truncation=left, Klear), "
+                               "error stops the run naming the prompt, off lets them through",
+                               choices=("off", "left", "error"))
+    eval_temperature: float | None = opt(None, "--eval-data sampling temperature (Klear: 0.6); "
+                                         "default --rollout-temperature")
+    eval_top_p: float | None = opt(None, "--eval-data nucleus sampling (Klear: 0.95); default "
+                                   "--rollout-top-p")
+
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
         self.global_batch_size = self.mini_batch_size * self.n_samples_per_prompt
@@ -163,7 +201,15 @@ class RLConfig(TrainConfig):
         if self.entropy_ratio_clip is not None and not self.entropy_ratio_clip > 0:
             raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
                               f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
+        try:
+            erc_band(self.entropy_ratio_clip, self.erc_low, self.erc_high)
+        except ValueError:
+            raise ConfigError(f"ERC's band: give --entropy-ratio-clip DELTA, or both --erc-low "
+                              f"and --erc-high with 0 <= low < high (e.g. 0.95 1.05), not both "
+                              f"forms; got delta {self.entropy_ratio_clip}, low {self.erc_low},"
+                              f" high {self.erc_high}") from None
         self.correction()
+        self.validate_generation()
         self.overlong_shaping()
         if self.kl_coef < 0:
             raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
@@ -209,6 +255,17 @@ class RLConfig(TrainConfig):
             return None
         return RemoteReward(self.reward_url, self.reward_timeout, self.reward_retries)
 
+    def validate_generation(self) -> None:
+        """Over-generation flags (Klear's recipe, docs/recipe.md)."""
+        gen = self.rollout_gen_batch_size
+        if gen is not None and (gen < self.rollout_batch_size or not self.dynamic_sampling):
+            raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
+                              f"sampling: it needs --dynamic-sampling and >= "
+                              f"--rollout-batch-size {self.rollout_batch_size}")
+        if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
+            raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
+                              f"{self.max_gen_rounds}")
+
     def correction(self) -> RolloutCorrection | None:
         """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
         if self.tis_cap is not None:
@@ -234,6 +291,12 @@ class RLConfig(TrainConfig):
 FIELDS = ("loss_mask", "advantages", "positive", "rollout_logprobs")  # per-label loss inputs
 
 
+def is_positive(batch: RolloutBatch, i: int) -> bool:
+    """Sample ``i`` scored the reward's maximum (the SFT term's positives, whatever the scale:
+    1 for the 0/1 and the +-1 rewards)."""
+    return batch.is_kept(i) and batch.rewards[i] >= batch.max_score
+
+
 def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, list[float]]]:
     """Sample ``i`` as one sequence (prompt + response) and its per-label loss inputs.
 
@@ -243,9 +306,9 @@ def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, lis
     p, resp = batch.prompt_ids[i], batch.response_ids[i]
     ctx, n = [0.0] * (len(p) - 1), len(resp)
     lp = list(batch.rollout_logprobs[i][:n])
-    fields = {"loss_mask": ctx + [1.0] * n,
+    fields = {"loss_mask": ctx + [float(batch.is_kept(i))] * n,
               "advantages": ctx + [float(batch.advantages[i])] * n,
-              "positive": ctx + [float(batch.rewards[i] >= 1.0)] * n,
+              "positive": ctx + [float(is_positive(batch, i))] * n,
               "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
     if batch.routed_experts and batch.routed_experts[i] is not None:
         fields["routed_experts"] = batch.routed_experts[i]  # [labels, layers, k]
@@ -407,13 +470,63 @@ def sequence_ids(b: dict) -> torch.Tensor:
     return torch.arange(rows, device=b["loss_mask"].device)[:, None].expand_as(b["loss_mask"])
 
 
-def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: float):
-    """GPPO (or PPO/CISPO) + alpha * SFT, each a token-level mean over the mini-batch, with the
-    optional rollout correction (weights on the advantages) and ERC (old entropy per token)."""
+def micro_counts(b: dict) -> MicroCounts:
+    """A whole micro-batch's response tokens, positive tokens and responses (int64)."""
+    if "micro_counts" in b:   # counted before any context-parallel slicing
+        return MicroCounts(*b["micro_counts"].unbind())
+    mask = b["loss_mask"] > 0
+    seqs = sequence_ids(b)[mask].unique().numel()
+    return MicroCounts(mask.sum(), (mask & (b["positive"] > 0)).sum(),
+                       torch.tensor(seqs, device=mask.device))
+
+
+def seq_tokens(b: dict) -> torch.Tensor:
+    """Each label's response length (its sequence's masked tokens), shaped like the labels."""
+    ids, mask = sequence_ids(b), b["loss_mask"] > 0
+    shifted = ids - ids.min()   # THD marks padding -1
+    counts = torch.zeros(int(shifted.max()) + 1, dtype=torch.float32, device=mask.device)
+    counts.index_add_(0, shifted[mask], torch.ones(int(mask.sum()), device=mask.device))
+    return counts[shifted]
+
+
+def annotate_aggregation(mbs: list[dict]) -> None:
+    """Store each micro-batch's counts and per-token response lengths before the engine
+    slices it for context parallelism (the aggregations need whole-micro-batch numbers)."""
+    for b in mbs:
+        b["micro_counts"] = torch.stack(list(micro_counts(b)))
+        b["seq_tokens"] = seq_tokens(b)
+
+
+def aggregation_totals(batch: RolloutBatch, rows: Sequence[int],
+                       mini_sequences: int | None = None) -> AggregationTotals:
+    """The mini-batch ``rows``' counts that ``--loss-aggregation`` divides by: tokens of the
+    trained responses; sequences = ``mini_sequences``, the configured mini-batch size in
+    responses (verl divides a partial last mini-batch by it too), default the trained rows."""
+    kept = [i for i in rows if batch.is_kept(i)]
+    pos = [i for i in kept if is_positive(batch, i)]
+    return AggregationTotals(float(sum(len(batch.response_ids[i]) for i in kept)),
+                             float(sum(len(batch.response_ids[i]) for i in pos)),
+                             float(mini_sequences or len(kept)), float(len(pos)),
+                             parallel_state.get_data_parallel_world_size())
+
+
+def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: float,
+                   totals: AggregationTotals | None = None):
+    """GPPO (or PPO/CISPO) + alpha * SFT aggregated as ``--loss-aggregation`` says (default: each
+    a token-level mean over the mini-batch, whose counts ``n_tokens`` / ``n_positive`` are),
+    with the optional rollout correction (weights on the advantages) and ERC (old entropy per
+    token). ``totals``: the mini-batch's counts (:func:`aggregation_totals`), needed by the
+    other aggregations."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     backend = loss_backend(cfg.loss_backend)
     correction = cfg.correction()
-    erc = cfg.entropy_ratio_clip is not None
+    erc = erc_band(cfg.entropy_ratio_clip, cfg.erc_low, cfg.erc_high) is not None
+    if totals is None:
+        if cfg.loss_aggregation != "token-mean":
+            raise ValueError(f"--loss-aggregation {cfg.loss_aggregation} needs the mini-batch's "
+                             "totals (aggregation_totals)")
+        totals = AggregationTotals(n_tokens, n_positive, 0.0, 0.0,
+                                   parallel_state.get_data_parallel_world_size())
 
     def loss_fn(logits, b):
         mask = b["loss_mask"]
@@ -433,20 +546,25 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, beta1=cfg.gppo_beta1,
             beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip,
             entropy_ratio_clip=cfg.entropy_ratio_clip, old_entropy=b["entropy"] if erc else None,
-            temperature=cfg.rollout_temperature, normalizer=max(n_tokens, 1.0),
-            compute_entropy=False, tp_group=tp_group, vocab_size=vocab_size, backend=backend,
-            inplace_backward=True)  # logits are not read after backward
-        sft = sft_loss(out.logprobs, mask * b["positive"], normalizer=max(n_positive, 1.0))
-        loss = out.loss + cfg.sft_alpha * sft
-        if cfg.kl_coef:
+            temperature=cfg.rollout_temperature, compute_entropy=False, tp_group=tp_group,
+            vocab_size=vocab_size, backend=backend,
+            inplace_backward=True,  # logits are not read after backward
+            erc_low=cfg.erc_low, erc_high=cfg.erc_high, reduction="none")
+        seq_len = b["seq_tokens"] if "seq_tokens" in b else seq_tokens(b)
+        loss, pg, sft = aggregate_rl_loss(
+            cfg.loss_aggregation, out.loss, -out.logprobs, mask, b["positive"], cfg.sft_alpha,
+            totals, seq_tokens=seq_len, micro=micro_counts(b))
+        if cfg.kl_coef:  # aggregated as the policy term
             kl = kl_per_token(out.logprobs, b["ref_logprobs"], cfg.kl_estimator)
-            kl_loss = aggregate(kl, mask, normalizer=max(n_tokens, 1.0))
+            _, kl_loss, _ = aggregate_rl_loss(cfg.loss_aggregation, kl, torch.zeros_like(kl),
+                                              mask, b["positive"], 0.0, totals,
+                                              seq_tokens=seq_len, micro=micro_counts(b))
             loss = loss + cfg.kl_coef * kl_loss
             metrics.update({"train/kl_loss": kl_loss.detach(),
                             "train/kl": (kl.detach() * mask).sum()})
         metrics.update({f"train/{k}": v.detach() * tokens for k, v in out.metrics.items()})
         mismatch = ((old - b["rollout_logprobs"]).abs() * mask).sum()
-        metrics.update({"train/policy_loss": out.loss.detach(), "train/sft_loss": sft.detach(),
+        metrics.update({"train/policy_loss": pg.detach(), "train/sft_loss": sft.detach(),
                         "train/loss": loss.detach(), "train/tokens": tokens,
                         "train/entropy": (b["entropy"] * mask).sum(),
                         "train/mismatch_abs_logprob": mismatch})
@@ -463,6 +581,8 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
     mbs_per_mini = [rollout_microbatches(batch, rows, cfg, pad_id) for rows in minis]
+    for mbs in mbs_per_mini:
+        annotate_aggregation(mbs)
     t0 = time.time()
     if reference is not None:
         with reference.swapped_in():
@@ -478,9 +598,9 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     totals: dict[str, float] = {}
     t0 = time.time()
     for rows, mbs in zip(minis, mbs_per_mini):
-        n_tok = sum(len(batch.response_ids[i]) for i in rows)
-        n_pos = sum(len(batch.response_ids[i]) for i in rows if batch.rewards[i] >= 1.0)
-        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, n_tok, n_pos))
+        counts = aggregation_totals(batch, rows, per_mini)
+        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, counts.tokens,
+                                                  counts.positive_tokens, counts))
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
     t_train = time.time() - t0
@@ -587,8 +707,12 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
     ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
                                 params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
-                                max_rounds=cfg.max_sampling_rounds,
+                                max_rounds=cfg.max_gen_rounds or cfg.max_sampling_rounds,
                                 normalize_std=cfg.advantage_std_norm,
+                                gen_batch_size=cfg.rollout_gen_batch_size,
+                                filter_metric=cfg.filter_groups_metric,
+                                overlong_filter=cfg.overlong_filter,
+                                prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),
                                 remote=cfg.remote_reward(), overlong=cfg.overlong_shaping())
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
@@ -606,7 +730,7 @@ def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any
     metrics["rollout/staleness"] = float(step - version)  # weight updates since it began
     metrics["data/prompt_indices"] = sorted(set(batch.prompt_index))
     metrics["data/consumed_prompts"] = cursor  # the checkpoint resumes after this batch
-    usable = batch.groups() // cfg.mini_batch_size * cfg.mini_batch_size
+    usable = trainable_groups(cfg, batch.groups(), parallel_state.get_data_parallel_world_size())
     if usable == 0:  # fewer informative groups than one mini-batch even after refilling
         metrics["train/skipped_step"] = 1.0
         return metrics
@@ -629,6 +753,19 @@ def shape_routed_experts(batch: RolloutBatch, num_layers: int, top_k: int) -> No
                              "the server must answer return_routed_experts for the whole "
                              "sequence (routed_experts_start_len 0)")
         batch.routed_experts[i] = flat.view(positions, num_layers, top_k)
+
+
+def trainable_groups(cfg: RLConfig, groups: int, dp: int) -> int:
+    """How many of a step's ``groups`` informative groups train: whole mini-batches, or with
+    over-generation (Klear) all of them up to --rollout-batch-size, rounded down so that the
+    responses split evenly over the ``dp`` data-parallel ranks (the official code rounds its
+    trajectories to the world size; the last mini-batch may be partial)."""
+    if cfg.rollout_gen_batch_size is None:
+        return groups // cfg.mini_batch_size * cfg.mini_batch_size
+    usable = min(groups, cfg.rollout_batch_size)
+    while usable and usable * cfg.n_samples_per_prompt % dp:
+        usable -= 1
+    return usable
 
 
 def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> dict:
@@ -661,7 +798,10 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
                           prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                           answer_format=cfg.answer_format)
         params = SamplingParams(max_new_tokens=cfg.rollout_max_response_len,
-                                temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
+                                temperature=cfg.rollout_temperature
+                                if cfg.eval_temperature is None else cfg.eval_temperature,
+                                top_p=cfg.rollout_top_p if cfg.eval_top_p is None
+                                else cfg.eval_top_p,
                                 stop_token_ids=[tokenizer.eos_token_id])
         report = evaluate(client, tokenizer, [bench], k=cfg.eval_k, params=params,
                           progress=False)["eval"]
