@@ -42,10 +42,11 @@ __all__ = ["POLICY_LOSSES", "register_policy_loss", "per_token_policy_loss", "po
            "policy_metrics", "clip_cases", "check_loss_args", "entropy_ratio", "entropy_ratio_mask",
            "erc_metrics", "sft_loss", "aggregate", "masked_mean", "global_token_count",
            "erc_band", "LOSS_AGGREGATIONS", "AggregationTotals", "verl_masked_mean",
-           "aggregate_rl_loss", "MicroCounts"]
+           "aggregate_rl_loss", "MicroCounts", "sequence_mean", "SEQUENCE_LOSSES"]
 
 PerTokenLoss = Callable[..., Tensor]
 POLICY_LOSSES: dict[str, PerTokenLoss] = {}
+SEQUENCE_LOSSES = ("gspo",)   # losses that also take sequence_ids and loss_mask
 
 
 def register_policy_loss(name: str) -> Callable[[PerTokenLoss], PerTokenLoss]:
@@ -79,8 +80,9 @@ def check_loss_args(name: str, dual_clip: float | None,
     erc_band(entropy_ratio_clip, erc_low, erc_high)
     if dual_clip is None:
         return
-    if name == "cispo":
-        raise ValueError("dual_clip applies to the ppo/gppo losses, not cispo; pass dual_clip=None")
+    if name in ("cispo", "gspo"):
+        raise ValueError(f"dual_clip applies to the ppo/gppo losses, not {name}; pass "
+                         "dual_clip=None")
     if dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (got {dual_clip}); pass None to disable it")
 
@@ -198,6 +200,37 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *, ep
     check_loss_args("cispo", dual_clip)
     ratio = _ratio(logprobs, old_logprobs, max_log_ratio).detach()
     return -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages * logprobs
+
+
+GSPO_MAX_LOG_RATIO = 10.0   # the sequence log-ratio cap of verl's GSPO loss
+
+
+def sequence_mean(values: Tensor, sequence_ids: Tensor, loss_mask: Tensor) -> Tensor:
+    """Each token's sequence mean of ``values`` over the masked tokens [T] (ids >= 0 on masked
+    tokens; 0 where a token is masked out). No host sync: one slot per token bounds the ids."""
+    mask = loss_mask.to(values.dtype)
+    slots = values.numel()
+    ids = torch.where(loss_mask.bool(), sequence_ids.long(), slots)  # masked out: a spare slot
+    sums = values.new_zeros(slots + 1).index_add_(0, ids, values * mask)
+    counts = values.new_zeros(slots + 1).index_add_(0, ids, mask)
+    return (sums / counts.clamp(min=1))[ids] * mask
+
+
+@register_policy_loss("gspo")
+def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *,
+              sequence_ids: Tensor, loss_mask: Tensor, eps_low: float = 3e-4,
+              eps_high: float = 4e-4, **_: float | None) -> Tensor:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071), token-level form: the sequence ratio
+    ``s_i = exp(mean over sequence i's response tokens of log r)`` (log capped at 10), per
+    token ``s_i,t = sg(s_i) * r_t / sg(r_t)`` (value ``s_i``, gradient ``s_i`` w.r.t. logp_t),
+    and PPO's clip on it: ``max(-s A, -clip(s, 1 - eps_low, 1 + eps_high) A)`` (GSPO's clip
+    ranges are ~1e-4, not PPO's 0.2). ``sequence_ids``/``loss_mask`` [T] say which tokens form
+    each sequence's response."""
+    log_ratio = logprobs - old_logprobs
+    seq_log = sequence_mean(log_ratio.detach(), sequence_ids, loss_mask)
+    ratio = torch.exp((seq_log + log_ratio - log_ratio.detach()).clamp(max=GSPO_MAX_LOG_RATIO))
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(-ratio * advantages, -clipped * advantages)
 
 
 def per_token_policy_loss(name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_klear.algo.losses import (ERC_MAX_LOG_RATIO, aggregate, check_loss_args,
-                                        erc_band, erc_metrics, per_token_policy_loss,
-                                        policy_metrics)
+from megatron_klear.algo.losses import (ERC_MAX_LOG_RATIO, SEQUENCE_LOSSES, aggregate,
+                                        check_loss_args, erc_band, erc_metrics,
+                                        per_token_policy_loss, policy_metrics)
 
 __all__ = ["PolicyLossOutput", "vocab_parallel_policy_loss", "vocab_parallel_logprobs",
            "available_backends", "resolve_backend"]
@@ -304,6 +304,7 @@ def vocab_parallel_policy_loss(
         normalizer: float | Tensor | None = None, compute_entropy: bool = False, tp_group=None,
         backend: str = "auto", vocab_size: int | None = None, inplace_backward: bool = False,
         erc_low: float | None = None, erc_high: float | None = None, reduction: str = "mean",
+        sequence_ids: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Token-level policy loss straight from vocab-sharded logits [T, V/TP] or [B, S, V/TP].
 
@@ -341,11 +342,18 @@ def vocab_parallel_policy_loss(
         per_token, ratio = _FusedTokenLoss.apply(logp, old, adv, (ent, old_ent) if erc else None,
                                                  loss_type, hyper)
     else:
+        per_seq = {}
+        if loss_type in SEQUENCE_LOSSES:  # GSPO: per-token torch arithmetic on [T]
+            if sequence_ids is None:
+                raise ValueError(f"loss_type={loss_type!r} needs sequence_ids (each token's "
+                                 "sequence, shaped like the targets)")
+            per_seq = {"sequence_ids": _per_token("sequence_ids", sequence_ids, lead),
+                       "loss_mask": mask}
         per_token = per_token_policy_loss(loss_type, logp, old, adv, eps_low=eps_low,
                                           eps_high=eps_high, beta1=beta1, beta2=beta2,
                                           dual_clip=dual_clip, entropy=ent, old_entropy=old_ent,
                                           entropy_ratio_clip=entropy_ratio_clip,
-                                          erc_low=erc_low, erc_high=erc_high)
+                                          erc_low=erc_low, erc_high=erc_high, **per_seq)
         log_ratio = logp - old
         if erc:   # the clamp of ERC's code (algo/losses.py ERC_MAX_LOG_RATIO)
             log_ratio = log_ratio.clamp(-ERC_MAX_LOG_RATIO, ERC_MAX_LOG_RATIO)

@@ -71,8 +71,9 @@ class RLConfig(TrainConfig):
     rollout_urls: list[str] | None = opt(None, "existing SGLang/embedded servers (else embedded)")
     rollout_num_servers: int = opt(1, "embedded servers to start when no --rollout-urls")
     loss_type: str = opt("gppo", "policy loss: gppo (CE-GPPO general beta), ppo (PPO-clip with "
-                         "Clip-Higher bounds, DAPO) or cispo (MiniMax-M1); docs/policy_loss.md",
-                         choices=("gppo", "ppo", "cispo"))
+                         "Clip-Higher bounds, DAPO), cispo (MiniMax-M1) or gspo (sequence-level "
+                         "ratio; set --eps-clip-low/high ~3e-4/4e-4); docs/policy_loss.md",
+                         choices=("gppo", "ppo", "cispo", "gspo"))
     eps_clip_low: float = opt(0.2, "lower clip epsilon")
     eps_clip_high: float = opt(0.28, "upper clip epsilon (Clip-Higher)")
     gppo_beta1: float = opt(1.0, "GPPO gradient weight of the low clip")
@@ -194,6 +195,10 @@ class RLConfig(TrainConfig):
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple"
                               f" of --mini-batch-size {self.mini_batch_size}")
+        if self.loss_type == "gspo" and self.context_parallel_size > 1:
+            raise ConfigError("--loss-type gspo takes each response's mean log-ratio, which a "
+                              "context-parallel rank holds only a slice of: drop "
+                              "--context-parallel-size or use another --loss-type")
         if self.n_samples_per_prompt < 2:
             raise ConfigError("--n-samples-per-prompt must be >= 2 (group advantages)")
         if not 0 < self.eps_clip_low < 1 or self.eps_clip_high <= 0:
@@ -549,7 +554,8 @@ def policy_loss_fn(cfg: RLConfig, vocab_size: int, n_tokens: float, n_positive: 
             temperature=cfg.rollout_temperature, compute_entropy=False, tp_group=tp_group,
             vocab_size=vocab_size, backend=backend,
             inplace_backward=True,  # logits are not read after backward
-            erc_low=cfg.erc_low, erc_high=cfg.erc_high, reduction="none")
+            erc_low=cfg.erc_low, erc_high=cfg.erc_high, reduction="none",
+            sequence_ids=sequence_ids(b))
         seq_len = b["seq_tokens"] if "seq_tokens" in b else seq_tokens(b)
         loss, pg, sft = aggregate_rl_loss(
             cfg.loss_aggregation, out.loss, -out.logprobs, mask, b["positive"], cfg.sft_alpha,
