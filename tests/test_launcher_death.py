@@ -3,7 +3,6 @@ or klear-eval runs under it; within 10 s nothing it started is left, neither in 
 tree nor in any worker's own session (torchrun starts each worker with start_new_session).
 """
 
-import json
 import os
 import signal
 import subprocess
