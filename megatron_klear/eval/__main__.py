@@ -4,7 +4,8 @@
              --k 16 --temperature 1.0 --max-new-tokens 32768 --out-dir eval/
   klear-eval --rejudge eval/samples.jsonl
 
---model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly).
+--model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly; the
+trainer's layout flags are accepted and checked against the model).
 Without --rollout-urls, embedded rollout servers are started on this machine.
 """
 
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from megatron_klear.config import TrainConfig, add_layout_flags, layout_from_args
 from megatron_klear.eval.evaluate import evaluate, parse_benchmark, rejudge, write_report
 
 
@@ -48,11 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="eval_out")
     p.add_argument("--rejudge", default=None, help="samples.jsonl to re-score (no model)")
     p.add_argument("--seed", type=int, default=0)
+    add_layout_flags(p)
     return p
 
 
-def resolve_model(model: str, out_dir: Path) -> Path:
-    """An HF dir for ``model``: itself, or a conversion of a megatron-klear checkpoint."""
+def resolve_model(model: str, out_dir: Path, layout: TrainConfig | None = None) -> Path:
+    """An HF dir for ``model``: itself, or a conversion of a megatron-klear checkpoint (whose
+    model ``layout``, the layout flags, must be able to split)."""
     path = Path(model)
     if (path / "config.json").is_file():
         return path
@@ -61,7 +65,7 @@ def resolve_model(model: str, out_dir: Path) -> Path:
 
         target = out_dir / "hf_model"
         if not (target / "config.json").is_file():
-            convert_megatron_to_hf(path, target)
+            convert_megatron_to_hf(path, target, layout=layout)
         return target
     raise FileNotFoundError(f"--model {model}: neither an HF dir (config.json) nor a "
                             "megatron-klear checkpoint (latest_checkpointed_iteration.txt)")
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
     from megatron_klear.rollout.launcher import connect, launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir = resolve_model(args.model, out)
+    hf_dir = resolve_model(args.model, out, layout_from_args(args))
     tokenizer = load_tokenizer(hf_dir, args.prompt_template, args.chat_template, template_kwargs)
     benches = [parse_benchmark(b, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                answer_format=args.answer_format) for b in args.benchmark]
