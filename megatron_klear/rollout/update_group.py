@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from megatron_klear import platform
+
 __all__ = ["UpdateGroup", "open_update_group", "DTYPES", "parse_dtype", "routable_address"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -89,7 +91,8 @@ class UpdateGroup:
         until then)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        work = self.pg.broadcast([tensor], opts)
+        with platform.host_collective() if self.backend == "gloo" else contextlib.nullcontext():
+            work = self.pg.broadcast([tensor], opts)
         if async_op:
             return work
         work.wait()
