@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge, torch_dist_io
 from megatron_klear.checkpoint.hf_io import (ConversionError, SafetensorsReader, ShardPlan,
                                              ShardWriter, byte_slices, checkpoint_dtype,
@@ -287,13 +288,15 @@ def megatron_logits(model: torch.nn.Module | list[torch.nn.Module], arch: qwen3.
     """Full-vocab fp32 logits [b, s, vocab] on the last pipeline stage (every TP rank of
     it), None on other stages. Runs megatron's forward-only pipeline schedule over the
     model chunk(s) (the interleaved schedule wants at least PP micro-batches: the same
-    ids are then fed PP times)."""
+    ids are then fed PP times). ``input_ids`` may be on any device: the model gets them on
+    its own (the embedding refuses an index on another device)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     b, s = input_ids.shape
-    positions = torch.arange(s).expand(b, s)
+    input_ids = input_ids.to(platform.device())
+    positions = torch.arange(s, device=input_ids.device).expand(b, s)
 
     def forward_step(data_iterator, chunk):
         out = chunk(next(data_iterator), positions, attention_mask=None)
@@ -329,9 +332,9 @@ def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1,
     ids = torch.randint(0, arch.vocab_size, (batch_size, seq_length),
                         generator=torch.Generator().manual_seed(seed))
     logits = megatron_logits(model, arch, ids)
-    diff = torch.zeros((), dtype=torch.float64)
+    diff = torch.zeros((), dtype=torch.float64, device=platform.device())  # NCCL: on the GPU
     if logits is not None:
-        diff.fill_((hf_logits(hf_dir, ids) - logits).abs().max().item())
+        diff.fill_((hf_logits(hf_dir, ids) - logits.cpu()).abs().max().item())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)
 

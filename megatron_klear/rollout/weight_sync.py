@@ -31,6 +31,9 @@ server i joins as ``rank_offset_i + tp_rank``; its TP size is read from ``GET /s
 so ``rank_offset_i = 1 + sum(tp_j, j < i)`` and ``world_size = 1 + sum(tp)``. The trainer is
 rank 0 and hosts the store (update_group.py), at ``master_addr``: by default this host's
 address on the route to the first server (routable when the servers run on other nodes).
+The group's backend follows the servers' ``device`` in ``/server_info`` (:func:`update_backend`):
+NCCL between a GPU trainer and GPU servers, gloo as soon as one side computes on the CPU (the
+embedded server), the trainer then staging each bucket in host memory.
 
 PP design: each stage's source rank (TP rank 0, DP rank 0) hosts its OWN weight-update group
 (``{group_name}_pp{stage}`` when PP > 1). Each SGLang server handles weight requests one at a
@@ -65,7 +68,7 @@ from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, open_u
 __all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "aligned_order", "plan_bucket",
            "adjacent_runs", "MIN_DIRECT_BYTES",
            "Bucket", "TensorSpec", "rank_layout", "lowest_cpu_priority",
-           "trainer_sequence_logprobs", "PROBE_METRIC"]
+           "trainer_sequence_logprobs", "PROBE_METRIC", "update_backend"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
 
@@ -178,12 +181,22 @@ def trainer_sequence_logprobs(model: torch.nn.Module | list[torch.nn.Module], ar
     """
     from megatron_klear.checkpoint.convert import megatron_logits
 
-    ids = torch.tensor([input_ids], dtype=torch.long)
+    ids = torch.tensor([input_ids], dtype=torch.long, device=platform.device())
     logits = megatron_logits(model, arch, ids)
     if logits is None:
         return None
     logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     return logp.gather(1, ids[0, 1:, None])[:, 0]
+
+
+def update_backend(server_devices: list[str]) -> str:
+    """The weight-update group's backend: NCCL only when the trainer and every server compute
+    on CUDA (NCCL moves CUDA tensors only, so a CPU server -- the embedded one -- cannot
+    receive over it), else gloo, whose broadcasts the trainer stages through host memory.
+    ``server_devices``: each server's ``device`` in ``/server_info`` (SGLang reports its
+    resolved ``--device`` there; an older server without the field runs on CUDA)."""
+    on_cuda = platform.device().type == "cuda" and all(d == "cuda" for d in server_devices)
+    return "nccl" if on_cuda else "gloo"
 
 
 def _parallel_ranks() -> tuple[int, int, int, bool, bool]:
@@ -222,16 +235,15 @@ class WeightSync:
         self.group_name = group_name if self.pp == 1 else f"{group_name}_pp{self.stage}"
         self.master_addr = master_addr or routable_address(self.urls[0])
         self.master_port = master_port if master_port is None else master_port + self.stage
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.requested_backend = backend  # None: update_backend() of the servers' devices
+        self.backend = backend or "gloo"  # set by _join once the servers are known
         self.pause_mode, self.timeout_s, self.load_format = pause_mode, timeout_s, load_format
         # flushing waits for an idle server: only right when nothing stays in flight (an
         # in_place/retract pause keeps its requests; an aborted one comes back as a retry)
         self.flush_cache = flush_cache
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if self.backend == "nccl" else torch.device("cpu")
         self.group: UpdateGroup | None = None
         self._client: RolloutClient | None = None
-        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
+        self._buffers = [torch.empty(0, dtype=torch.uint8)] * 2
         self._http = concurrent.futures.ThreadPoolExecutor(1)  # init requests
         # packs bucket k+1 while bucket k is on the wire, at the lowest priority
         self._packer = concurrent.futures.ThreadPoolExecutor(1, initializer=lowest_cpu_priority)
@@ -253,6 +265,11 @@ class WeightSync:
         if self._client is None or self._client.urls != urls:
             self._client = RolloutClient(urls, request_timeout_s=self.timeout_s, max_retries=0)
         return self._client
+
+    @property
+    def device(self) -> torch.device:
+        """Where the broadcast tensors live: the GPU for NCCL, host memory for gloo."""
+        return platform.device() if self.backend == "nccl" else torch.device("cpu")
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -317,13 +334,15 @@ class WeightSync:
         """Source rank: host this stage's group; every member joins with its TP ranks."""
         self._destroy_on_servers(self.members)  # left by an earlier run against these servers
         infos = self.client.server_info()
-        tps = []
+        tps, devices = [], []
         for url in self.members:
             info = infos[url] if isinstance(infos[url], dict) else {}
             if int(info.get("pp_size", 1)) != 1:
                 raise WeightSyncError(f"{url}: the server runs pp_size={info['pp_size']}; weight "
                                       "sync supports servers with pp_size 1 (use --tp-size)")
             tps.append(int(info.get("tp_size", 1)))
+            devices.append(str(info.get("device") or "cuda"))
+        self.backend = self.requested_backend or update_backend(devices)
         port = self.master_port or free_port(self.master_addr)
         offsets, world = rank_layout(tps)
         payloads = {url: {"master_address": self.master_addr, "master_port": port,
@@ -557,7 +576,8 @@ class WeightSync:
         only = views[0]
         if len(views) == 1 and only.is_contiguous() and only.dtype == bucket.specs[0].dtype:
             return [only.reshape(-1).view(torch.uint8)]  # its own bytes are the bucket
-        if self._buffers[slot].numel() < bucket.nbytes:  # grow-only: pages stay mapped
+        if self._buffers[slot].numel() < bucket.nbytes or \
+                self._buffers[slot].device != self.device:  # grow-only: pages stay mapped
             self._buffers[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8,
                                               device=self.device)
         buf = self._buffers[slot]
@@ -597,7 +617,7 @@ class WeightSync:
         Not collective: call it where ``trainer_logprobs`` live (the last PP stage), e.g.
         with :func:`trainer_sequence_logprobs`.
         """
-        ref = trainer_logprobs.detach().double().flatten()
+        ref = trainer_logprobs.detach().double().flatten().cpu()
         diffs = []
         for lps in self.client.prompt_logprobs(list(input_ids)):
             got = torch.tensor(lps, dtype=torch.float64)

@@ -327,7 +327,10 @@ def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
         params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         optimizer_cpu_offload=cfg.optimizer_cpu_offload,
-        optimizer_offload_fraction=1.0 if cfg.optimizer_cpu_offload else 0.0)
+        optimizer_offload_fraction=1.0 if cfg.optimizer_cpu_offload else 0.0,
+        # Megatron-LM requires it with offload: without it the fp32 master weights stay on
+        # the GPU and the offloaded copies are never refreshed from loaded weights
+        use_precision_aware_optimizer=cfg.optimizer_cpu_offload)
     optimizer = get_megatron_optimizer(opt_cfg, model)
     if cfg.use_distributed_optimizer:
         init_adam_state(optimizer)
