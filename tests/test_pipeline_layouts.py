@@ -75,6 +75,43 @@ def test_config_errors_name_the_flags():
                     global_batch_size=2).data_parallel_size(4)
 
 
+@pytest.mark.parametrize("cp,tp,sp,want", [(1, 1, False, 1), (1, 2, False, 1), (1, 2, True, 2),
+                                            (2, 1, False, 4), (2, 2, False, 4), (2, 2, True, 4),
+                                            (2, 4, True, 8), (3, 2, True, 6), (4, 3, True, 24)])
+def test_padded_length_multiple_is_what_megatron_splits(cp, tp, sp, want):
+    """2 x CP load-balanced chunks; under SP each CP rank's length / CP splits over TP."""
+    from megatron_klear.train.context_parallel import sequence_multiple
+
+    assert sequence_multiple(cp, tp, sp) == want
+
+
+@pytest.mark.parametrize("trainer,extra", [
+    ("rl", ["--prompt-data", "p.jsonl"]),  # packs by default
+    ("sft", ["--data-path", "d.jsonl"]),
+    ("sft", ["--data-path", "d.jsonl", "--no-pack"]),  # one sample per THD pack
+])
+def test_context_parallel_with_thd_packs_is_refused_by_validate_and_dry_run(trainer, extra,
+                                                                             capsys):
+    """THD packs cannot be split over CP ranks yet: both trainers refuse at parse time, so the
+    dry run does too, naming the way out; RL's padded micro-batches are accepted."""
+    from megatron_klear.train import rl, sft
+
+    argv = ["--context-parallel-size", "2", "--transformer-impl", "transformer_engine",
+            "--hf-checkpoint", "hf", "--seq-length", "64", *extra]
+    main = rl.main if trainer == "rl" else sft.main
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--dry-run"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--context-parallel-size 2" in err and "THD" in err
+    assert ("--no-pack-sequences" if trainer == "rl" else "tensor/pipeline parallelism") in err
+    if trainer == "rl":
+        from megatron_klear.config import parse_config
+
+        cfg = parse_config(rl.RLConfig, [*argv, "--no-pack-sequences"])
+        assert cfg.context_parallel_size == 2 and not cfg.pack_sequences
+
+
 # ---------------------------------------------------------------- CP slicing (no processes)
 def test_cp_slicing_is_load_balanced_and_round_trips():
     t = torch.arange(2 * 16).reshape(2, 16)
