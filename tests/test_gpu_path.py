@@ -9,6 +9,7 @@ error it raised, so each test below fails on its own defect:
   the server's log-probs after the sync against transformers on the trainer's export;
 * RL steps on THD packs and on shared-prompt packs (defect 5: a CPU tree mask given to CUDA
   attention);
+* the converters' model (defect 4): every parameter and buffer on ``meta``;
 * the CUDA loss kernels' dispatch (``--loss-backend auto`` resolving to ``cuda``, every kernel
   input on the logits' device);
 * ``--optimizer-cpu-offload`` (defect 2, with ``--bf16``, which config.py requires: megatron
@@ -94,6 +95,19 @@ def _offload_step(hf_dir: str) -> dict:
                               for a, b in zip(after, before))}
 
 
+def _meta_model_devices() -> dict[str, list[str]]:
+    """The devices of the converters' model's parameters and buffers, dense and MoE."""
+    from megatron_klear.checkpoint.torch_dist_io import meta_model
+    from megatron_klear.models.qwen3 import qwen3_config_from_hf
+    from megatron_klear.models.tiny import tiny_qwen3_config, tiny_qwen3_moe_config
+
+    out = {}
+    for kind, cfg in (("dense", tiny_qwen3_config()), ("moe", tiny_qwen3_moe_config())):
+        model = meta_model(qwen3_config_from_hf(cfg), torch.bfloat16)
+        out[kind] = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()]})
+    return out
+
+
 def _gpu_path(rank, world, hf_dir, url, tmp):
     from megatron_klear import platform
     from megatron_klear.checkpoint.convert import compare_logits
@@ -128,6 +142,7 @@ def _gpu_path(rank, world, hf_dir, url, tmp):
 
     _record(out, "weight_sync", sync)
     _record(out, "offload", lambda: _offload_step(hf_dir))
+    _record(out, "meta_model", _meta_model_devices)
     _record(out, "compare_logits", lambda: compare_logits(hf_dir, f"{tmp}/ckpt"))
     return out
 
@@ -192,3 +207,9 @@ def test_offload_keeps_loaded_weights(strict_run):
     # pinned copies of the bf16 shards (hybrid_optimizer.py _get_sub_optimizer_param_groups)
     assert got["offloaded"] == got["params"] and got["on_cpu"]
     assert got["max_change"] == 0.0  # lr 0: the loaded weights, not the random init
+
+
+def test_converter_model_is_all_on_meta(strict_run):
+    """Defect 4: megatron's layers and the local RMSNorm name the CUDA device explicitly, which
+    ``with torch.device("meta")`` alone does not override (a GPU would allocate the model)."""
+    assert _value(strict_run, "meta_model") == {"dense": ["meta"], "moe": ["meta"]}
