@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from megatron_klear import platform
 
-__all__ = ["UpdateGroup", "open_update_group", "DTYPES", "parse_dtype", "routable_address"]
+__all__ = ["UpdateGroup", "open_update_group", "DTYPES", "parse_dtype", "routable_address",
+           "is_local_address"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64, "uint8": torch.uint8, "int64": torch.int64}
@@ -61,6 +62,17 @@ def routable_address(server_url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((socket.gethostbyname(host), 9))
         return s.getsockname()[0]
+
+
+def is_local_address(address: str) -> bool:
+    """Whether this node owns ``address`` (a TCP socket can bind it): where a store may run."""
+    try:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((socket.gethostbyname(address) if family == socket.AF_INET else address, 0))
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

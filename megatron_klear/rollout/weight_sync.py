@@ -38,7 +38,9 @@ embedded server), the trainer then staging each bucket in host memory.
 PP design: each stage's source rank (TP rank 0, DP rank 0) hosts its OWN weight-update group
 (``{group_name}_pp{stage}`` when PP > 1). Each SGLang server handles weight requests one at a
 time in arrival order, so stages that sent concurrently could reach two servers in opposite
-orders and deadlock; stages therefore form their groups and send one after another.
+orders and deadlock; stages therefore form their groups and send one after another. The
+stages' source ranks may sit on different nodes, so each hosts its store at an address of its
+own node (:func:`stage_master_addr`: ``--weight-sync-master-addr`` where this node owns it).
 
 Correctness probe: :meth:`WeightSync.probe` asks every server for the logprobs of a fixed
 sequence and returns the max |server - trainer| (log it as ``weight_sync/probe_max_abs_diff``).
@@ -62,13 +64,13 @@ import torch.distributed as dist
 from megatron_klear import platform
 from megatron_klear.rollout.client import RolloutClient, RolloutError
 from megatron_klear.rollout.launcher import free_port
-from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, open_update_group,
-                                                 routable_address)
+from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, is_local_address,
+                                                 open_update_group, routable_address)
 
 __all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "aligned_order", "plan_bucket",
            "adjacent_runs", "MIN_DIRECT_BYTES",
            "Bucket", "TensorSpec", "rank_layout", "lowest_cpu_priority",
-           "trainer_sequence_logprobs", "PROBE_METRIC", "update_backend"]
+           "trainer_sequence_logprobs", "PROBE_METRIC", "update_backend", "stage_master_addr"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
 
@@ -233,7 +235,7 @@ class WeightSync:
         self.min_direct_bytes = min_direct_bytes  # see MIN_DIRECT_BYTES
         self.stage, self.pp, self.rank, self.replica0, self.is_source = _parallel_ranks()
         self.group_name = group_name if self.pp == 1 else f"{group_name}_pp{self.stage}"
-        self.master_addr = master_addr or routable_address(self.urls[0])
+        self.master_addr = stage_master_addr(master_addr, self.urls[0], self.pp)
         self.master_port = master_port if master_port is None else master_port + self.stage
         self.requested_backend = backend  # None: update_backend() of the servers' devices
         self.backend = backend or "gloo"  # set by _join once the servers are known
@@ -340,6 +342,12 @@ class WeightSync:
             if int(info.get("pp_size", 1)) != 1:
                 raise WeightSyncError(f"{url}: the server runs pp_size={info['pp_size']}; weight "
                                       "sync supports servers with pp_size 1 (use --tp-size)")
+            if int(info.get("dp_size", 1)) != 1:  # SGLang asserts it too, less clearly
+                raise WeightSyncError(
+                    f"{url}: the server runs dp_size={info['dp_size']}; SGLang updates weights "
+                    "from distributed only without data-parallel replicas "
+                    "(tokenizer_control_mixin.py); start one server per replica and list "
+                    "each in --rollout-urls")
             tps.append(int(info.get("tp_size", 1)))
             devices.append(str(info.get("device") or "cuda"))
         self.backend = self.requested_backend or update_backend(devices)
@@ -654,6 +662,21 @@ def _flat_range(views: list[torch.Tensor], bucket: Bucket) -> torch.Tensor:
             raise AssertionError(f"{spec.name}: at byte {view.data_ptr() - flat.data_ptr()} "
                                  f"of its run, planned at {spec.offset}")
     return flat
+
+
+def stage_master_addr(master_addr: str | None, server_url: str, pp: int) -> str:
+    """Where this stage's source rank hosts its update group's store: ``master_addr``
+    (``--weight-sync-master-addr``) when this node can bind it, else this node's address on
+    the route to the first server. With PP > 1 each stage hosts its own group, and the
+    stages' source ranks may sit on different nodes: one address cannot serve them all."""
+    if master_addr is None:
+        return routable_address(server_url)
+    if pp > 1 and not is_local_address(master_addr):
+        mine = routable_address(server_url)
+        log.info("--weight-sync-master-addr %s is not on this node: this pipeline stage hosts "
+                 "its weight-update group at %s", master_addr, mine)
+        return mine
+    return master_addr
 
 
 def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:
