@@ -319,7 +319,7 @@ class PositionwiseLM(torch.nn.Module):
         pass
 
 
-def _cp_run(cp: int):
+def _cp_run(cp: int, steps: int = STEPS):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
@@ -336,11 +336,59 @@ def _cp_run(cp: int):
         grad_reduce_in_fp32=True), module=module)]
     eng = Engine(cfg=cfg, arch=None, model=model)
     eng.optimizer, eng.scheduler = build_optimizer(model, cfg)
-    return _train(eng, STEPS)
+    return _train(eng, steps)
+
+
+def _schedule_length(cp: int) -> int:
+    """The seq_length the engine hands megatron's schedule at CP ``cp`` (micro-batches of 16
+    tokens): megatron divides it by CP itself for the pipeline sends (get_tensor_shapes)."""
+    import megatron.core.pipeline_parallel as pipeline
+
+    seen = {}
+    original = pipeline.get_forward_backward_func
+
+    def spy():
+        run = original()
+
+        def wrapped(**kwargs):
+            seen["seq_length"] = kwargs["seq_length"]
+            return run(**kwargs)
+        return wrapped
+
+    pipeline.get_forward_backward_func = spy
+    try:
+        _cp_run(cp, steps=1)
+    finally:
+        pipeline.get_forward_backward_func = original
+    return seen["seq_length"]
+
+
+def _cp_probe() -> dict:
+    """The probe's logits helper at CP 2 on 7 tokens: each rank runs only its slice of the
+    sequence padded to 8 (4 tokens), and the gathered logits are the whole sequence's."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_klear.checkpoint.convert import megatron_logits
+
+    torch.manual_seed(5)
+    model = PositionwiseLM(TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=1,
+                                             context_parallel_size=2), VOCAB)
+    fed = []
+    forward = model.forward
+    model.forward = lambda tokens, *a, **k: fed.append(tuple(tokens.shape)) or forward(tokens, *a, **k)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    got = megatron_logits(model, SimpleNamespace(vocab_size=VOCAB), ids)
+    want = forward(ids, None, None)
+    return {"fed": fed, "shape": tuple(got.shape), "max_diff": float((got - want).abs().max())}
 
 
 def _cp_parity(rank, world):
-    return dict(cp1=_cp_run(1), cp2=_cp_run(2))  # CP1: DP2 on these 2 ranks; CP2: DP1
+    out = dict(cp1=_cp_run(1), cp2=_cp_run(2))  # CP1: DP2 on these 2 ranks; CP2: DP1
+    out["schedule_length"] = _schedule_length(2)
+    out["probe"] = _cp_probe()
+    return out
 
 
 def test_context_parallel_loss_and_normaliser_equal_no_cp():
@@ -350,6 +398,11 @@ def test_context_parallel_loss_and_normaliser_equal_no_cp():
             assert got["tokens"] == want["tokens"]  # the normaliser, summed over CP slices
             assert abs(got["loss"] - want["loss"]) < 1e-6, (got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) < 1e-6 * max(1, want["grad_norm"])
+        # the engine hands megatron the whole length (megatron divides by CP for its sends)
+        assert r["schedule_length"] == 16
+        probe = r["probe"]  # the weight-sync probe's logits helper under CP
+        assert probe["fed"] == [(2, 4)] and probe["shape"] == (2, 7, VOCAB)
+        assert probe["max_diff"] < 1e-6
 
 
 # ---------------------------------------------------------------- memory plan (no processes)

@@ -134,8 +134,8 @@ class Engine:
                              f"least --pipeline-model-parallel-size {pp} micro-batches per "
                              f"step, got {len(microbatches)}; raise the batch size or drop "
                              "interleaving")
+        # the whole length: megatron divides it by CP (and TP under SP) for the stages' sends
         b, s = schedule_shape(microbatches, self.transformer_config)
-        s //= cp
         # interleaving: every model chunk reads the micro-batches through its own iterator
         data = [iter(microbatches) for _ in self.model] if len(self.model) > 1 \
             else iter(microbatches)
