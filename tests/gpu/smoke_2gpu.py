@@ -13,8 +13,8 @@ Issue 30 (not run on a GPU yet): a padded (--no-pack-sequences) RL step whose lo
 gives 11 positions, which SP can split over TP 2 only once rounded (defect 7); and Transformer
 Engine checkpoints (defect 3): a tiny HF model converted by convert_hf_to_megatron loads into
 the TE model (its norms save TE "extra state"), whose log-probs match transformers, and the
-TE model's own checkpoint converts back to the HF input's tensors. Defect 3 is not fixed yet
-(docs/gpu_path.md): that part is expected to fail until it is.
+TE model's own checkpoint converts back to the HF input's tensors (the CPU twin with a
+stand-in TE norm is tests/test_te_checkpoints.py).
 """
 
 from __future__ import annotations
