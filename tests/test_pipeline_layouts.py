@@ -375,9 +375,13 @@ def _cp_probe() -> dict:
     torch.manual_seed(5)
     model = PositionwiseLM(TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=1,
                                              context_parallel_size=2), VOCAB)
-    fed = []
-    forward = model.forward
-    model.forward = lambda tokens, *a, **k: fed.append(tuple(tokens.shape)) or forward(tokens, *a, **k)
+    fed, forward = [], model.forward
+
+    def recording(tokens, *args, **kwargs):
+        fed.append(tuple(tokens.shape))
+        return forward(tokens, *args, **kwargs)
+
+    model.forward = recording
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
     got = megatron_logits(model, SimpleNamespace(vocab_size=VOCAB), ids)
     want = forward(ids, None, None)
