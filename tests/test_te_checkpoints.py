@@ -50,7 +50,19 @@ def te_style(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _round_trip(rank, world, hf_dir: str, tmp: str) -> dict:
+def _both(rank, world, tmp: str) -> dict:
+    """Dense and MoE in one launch (one process start, one set of imports)."""
+    from megatron_klear.models.tiny import save_tiny_hf_model
+
+    out = {}
+    for kind in ("dense", "moe"):
+        hf = save_tiny_hf_model(f"{tmp}/{kind}/hf", std=0.2, moe=kind == "moe",
+                                with_tokenizer=False)
+        out[kind] = _round_trip(str(hf), f"{tmp}/{kind}")
+    return out
+
+
+def _round_trip(hf_dir: str, tmp: str) -> dict:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -83,12 +95,15 @@ def _round_trip(rank, world, hf_dir: str, tmp: str) -> dict:
                                                          for k in src)}
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_converter_checkpoint_loads_into_te_layout_and_back(tmp_path, moe):
-    from megatron_klear.models.tiny import save_tiny_hf_model
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory) -> dict:
+    return run_distributed(_both, 1, str(tmp_path_factory.mktemp("te")))[0]
 
-    hf = save_tiny_hf_model(tmp_path / "hf", std=0.2, moe=moe, with_tokenizer=False)
-    got = run_distributed(_round_trip, 1, str(hf), str(tmp_path))[0]
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_converter_checkpoint_loads_into_te_layout_and_back(round_trips, kind):
+    moe = kind == "moe"
+    got = round_trips[kind]
     assert got["logit_diff"] < 1e-4
     assert got["equal"]  # the TE-layout checkpoint converts back to the HF tensors
     keys = got["keys"]
