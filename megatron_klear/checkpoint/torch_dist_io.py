@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.overrides import TorchFunctionMode
 
 from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge
@@ -46,6 +47,7 @@ from megatron_klear.data.packing import balance
 from megatron_klear.models import qwen3
 
 __all__ = ["Chunk", "ParamSlot", "meta_model", "param_slots", "StreamingSaveStrategy",
+           "TE_NORMS", "te_key", "with_te_entries", "TECompatible",
            "TorchDistReader"]
 
 
@@ -89,15 +91,98 @@ class ParamSlot:
         return self.chunks[0].global_offset[:self.prepend]
 
 
+class _AllOnMeta(TorchFunctionMode):
+    """Every tensor made or moved inside lands on the meta device, whatever device the
+    caller names. ``with torch.device("meta")`` only fills in a *missing* device, and
+    megatron's parallel layers and :mod:`~megatron_klear.models.norms` pass
+    ``device=torch.cuda.current_device()``: under it a GPU would allocate the whole model."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or (func is torch.Tensor.to and args[0].is_meta):
+            if func is torch.Tensor.to:  # keep a dtype change, drop the device
+                dtype = kwargs.get("dtype") or next(
+                    (a for a in args[1:] if isinstance(a, torch.dtype)), None)
+                return args[0] if dtype is None else args[0].to(dtype)
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 def meta_model(arch: qwen3.Qwen3Arch, dtype: torch.dtype) -> torch.nn.Module:
-    """The Qwen3 GPTModel of the current parallel layout on the meta device (no memory)."""
+    """The Qwen3 GPTModel of the current parallel layout with every parameter and buffer on
+    the meta device (no memory, on a GPU machine too)."""
     from megatron.core import parallel_state as ps
 
     config = qwen3.transformer_config(arch, tp=ps.get_tensor_model_parallel_world_size(),
                                       pp=ps.get_pipeline_model_parallel_world_size(),
                                       params_dtype=dtype, perform_initialization=False)
-    with torch.device("meta"):
+    with _AllOnMeta(), torch.device("meta"):
         return qwen3.build_gpt_model(arch, config).eval()
+
+
+# norms that Transformer Engine's spec builds as te.pytorch.RMSNorm, whose "extra state"
+# (transformer_engine/pytorch/ops/op.py get_extra_state: an empty uint8 tensor without FP8
+# state) megatron saves as a ShardedObject and its strict load then requires
+TE_NORMS = ("self_attention.q_layernorm", "self_attention.k_layernorm", "final_layernorm")
+_FUSED_PRE_MLP_NORM = ".mlp.linear_fc1.layer_norm_weight"
+
+
+def te_key(key: str) -> str | None:
+    """A MoE layer's pre-MLP norm under Transformer Engine's key, for the local spec's key
+    (None for other keys): TE MoE layers keep the norm as a module (TENorm), the local spec
+    renames it to the fused name TE's dense layers use (megatron/core/models/gpt/
+    gpt_layer_specs.py ``sharded_state_dict_keys_map``)."""
+    if not key.endswith(_FUSED_PRE_MLP_NORM):
+        return None
+    return key[:-len(_FUSED_PRE_MLP_NORM)] + ".pre_mlp_layernorm.weight"
+
+
+def with_te_entries(sharded: dict) -> dict:
+    """``sharded`` (a local-spec model's sharded state dict) plus what a Transformer Engine
+    model of the same layout loads: the TE norms' ``_extra_state`` objects, and for each MoE
+    layer its pre-MLP norm under TE's key with its extra state. A local-spec load ignores
+    the additions (megatron accepts unexpected checkpoint keys); a TE load finds every key."""
+    from dataclasses import replace as with_fields
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    def extra_state(weight: ShardedTensor, weight_key: str) -> ShardedObject:
+        # as megatron's make_sharded_object_for_checkpoint: the layer axis if any, else (1,)
+        layered = weight.prepend_axis_num > 0
+        return ShardedObject(weight_key[:-len("weight")] + "_extra_state",
+                             torch.empty(0, dtype=torch.uint8),
+                             tuple(weight.global_shape[:1]) if layered else (1,),
+                             tuple(weight.global_offset[:1]) if layered else (0,),
+                             weight.replica_id)
+
+    out = dict(sharded)
+    for name, value in sharded.items():
+        if not isinstance(value, ShardedTensor) or not name.endswith(".weight"):
+            continue
+        module = name[:-len(".weight")]
+        if module.endswith(TE_NORMS):
+            out[f"{module}._extra_state"] = extra_state(value, value.key)
+        layer = module[:-len(".pre_mlp_layernorm")]
+        if module.endswith(".pre_mlp_layernorm") and f"{layer}.mlp.router.weight" in sharded:
+            moe_key = te_key(value.key)
+            out[f"{name}@te"] = with_fields(value, key=moe_key)
+            out[f"{module}._extra_state"] = extra_state(value, moe_key)
+    return out
+
+
+class TECompatible(torch.nn.Module):
+    """The converters' model whose checkpoint also loads into a Transformer Engine model
+    (:func:`with_te_entries`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:  # noqa: D102
+        return with_te_entries(self.model.sharded_state_dict(prefix, sharded_offsets, metadata))
 
 
 def param_slots(model: torch.nn.Module, arch: qwen3.Qwen3Arch) -> list[ParamSlot]:
@@ -278,6 +363,8 @@ class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
                  maps: FileMaps | None = None) -> None:
         super().__init__("torch_dist", 1, thread_count=threads)
         self._where = {(c.key, c.global_offset): (s, c) for s in slots for c in s.chunks}
+        self._where.update({(te_key(key), off): where for (key, off), where in self._where.items()
+                            if te_key(key)})  # a MoE pre-MLP norm is written under both keys
         self._build, self._release, self._maps = build, release, maps
 
     def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:  # noqa: D102
@@ -415,18 +502,30 @@ class TorchDistReader:
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         self._maps = FileMaps()
 
+    def _saved_key(self, key: str, prefix: tuple[int, ...] = ()) -> str:
+        """``key``, or its name in a Transformer Engine save (:func:`te_key`) where the
+        checkpoint holds ``global[prefix]`` only under that name (TE MoE layers)."""
+        saved = self.metadata.state_dict_metadata
+        alias = te_key(key)
+        if alias is None or alias not in saved:
+            return key
+        held = key in saved and any(tuple(c.offsets[:len(prefix)]) == prefix
+                                    for c in saved[key].chunks)
+        return key if held else alias
+
     def global_shape(self, key: str) -> tuple[int, ...]:
         """The saved global shape of ``key`` (e.g. the padded vocabulary of the save)."""
-        return tuple(self.metadata.state_dict_metadata[key].size)
+        return tuple(self.metadata.state_dict_metadata[self._saved_key(key)].size)
 
     def dtype(self, key: str) -> torch.dtype:
         """The saved dtype of ``key``."""
-        return self.metadata.state_dict_metadata[key].properties.dtype
+        return self.metadata.state_dict_metadata[self._saved_key(key)].properties.dtype
 
     def _items(self, key: str, prefix: tuple[int, ...]):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+        key = self._saved_key(key, prefix)
         md = self.metadata.state_dict_metadata[key]
         own = tuple(md.size)[len(prefix):]
         chunk = ChunkStorageMetadata(offsets=torch.Size(prefix + (0,) * len(own)),
