@@ -1,0 +1,127 @@
+"""Colocated mode (issue 31) on CPU: the embedded server's release/resume and tensor-handle
+updates with SGLang's payloads, and the trainer's tensor-handle weight sync.
+
+References: transformers' Qwen3 (tests/rollout_helpers.py) for what a loaded server must
+compute; SGLang's own ``MultiprocessingSerializer`` bytes are checked in tests/interop/.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_klear.rollout.client import RolloutClient
+from megatron_klear.rollout.launcher import launch_embedded_servers
+from megatron_klear.rollout.tensor_handles import (bucket_tensors, deserialize, serialize_bucket,
+                                                   shared_buffer)
+from tests.dist import run_distributed
+from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
+from tests.test_weight_sync import (PROBE_IDS, STALE_MIN, SYNCED_TOL, _hf_bytes, _post,
+                                    _sync_and_probe)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _flat_payload(named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """A shared flattened bucket of ``named`` (fp32, back to back) and its specs."""
+    flat = shared_buffer(sum(t.numel() * 4 for t in named.values()), torch.device("cpu"))
+    specs, offset = [], 0
+    for name, t in named.items():
+        n = t.numel() * 4
+        flat[offset:offset + n].view(torch.float32).copy_(t.flatten())
+        specs.append((name, tuple(t.shape), torch.float32, offset))
+        offset += n
+    return flat, specs
+
+
+def test_handle_payload_round_trip_maps_the_senders_memory():
+    """The receiver sees the sender's bytes (not a copy): a later write shows through."""
+    flat = shared_buffer(24, torch.device("cpu"))
+    flat.copy_(torch.arange(24, dtype=torch.uint8))
+    named = bucket_tensors(deserialize(serialize_bucket(
+        flat, [("a", (2, 2), torch.float32, 0), ("b", (4,), torch.bfloat16, 16)])))
+    assert [(n, tuple(t.shape), t.dtype) for n, t in named] == [
+        ("a", (2, 2), torch.float32), ("b", (4,), torch.bfloat16)]
+    assert torch.equal(named[1][1].view(torch.uint8), torch.arange(16, 24, dtype=torch.uint8))
+    flat[16] = 99
+    assert named[1][1].view(torch.uint8)[0] == 99
+    with pytest.raises(ValueError, match="do not lie aligned"):
+        bucket_tensors(deserialize(serialize_bucket(flat, [("c", (2,), torch.float32, 2)])))
+
+
+def test_release_resume_and_update_from_tensor(model_dir):
+    """SGLang's colocation endpoints on the embedded server: release kv_cache then weights,
+    generation refused, update refused while weights are released and outside a session,
+    resume weights, a handle update of every tensor, resume kv_cache: the server's logprobs
+    are transformers' with the new weights."""
+    ref, _ = load_reference(model_dir)
+    with torch.no_grad():
+        for p in ref.parameters():  # new weights the server never loaded from disk
+            p.mul_(0.9).add_(0.01)
+    named = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    flat, specs = _flat_payload(named)
+    body = {"load_format": "flattened_bucket", "flush_cache": False, "weight_version": "h1"}
+
+    def payload():
+        return dict(body, serialized_named_tensors=[serialize_bucket(flat, specs)])
+
+    with launch_embedded_servers(model_dir, 1) as servers:
+        url = servers.urls[0]
+        assert _post(url, "/release_memory_occupation", {"tags": ["bogus"]})[0] == 400
+        assert _post(url, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 400
+        for tag in ("kv_cache", "weights"):
+            code, reply = _post(url, "/release_memory_occupation", {"tags": [tag]})
+            assert (code, reply) == (200, None)
+        code, reply = _post(url, "/generate", {"input_ids": [1, 2]})
+        assert code == 400 and "resume_memory_occupation" in reply["error"]["message"]
+        assert _post(url, "/begin_weight_update", {})[0] == 200
+        code, reply = _post(url, "/update_weights_from_tensor", payload())
+        assert code == 400 and "weights are released" in reply["error"]["message"]
+        assert _post(url, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 200
+        code, reply = _post(url, "/update_weights_from_tensor", payload())
+        assert (code, reply["success"]) == (200, True), reply
+        assert "Weight version updated to h1" in reply["message"]
+        assert _post(url, "/end_weight_update", {})[0] == 200
+        code, reply = _post(url, "/update_weights_from_tensor", payload())  # no session
+        assert code == 400 and "between begin_weight_update() and end_weight_update()" \
+            in reply["message"]
+        assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        got = RolloutClient([url]).prompt_logprobs(PROBE_IDS)[0]
+        torch.testing.assert_close(torch.tensor(got), reference_logprobs(ref, PROBE_IDS),
+                                   atol=1e-4, rtol=0)
+
+
+def test_resumed_weights_are_undefined_until_updated(model_dir):
+    """Resumed weights hold NaN (SGLang's are whatever torch_memory_saver maps), so a rollout
+    served between resume and update cannot pass for a synced one; the memory is freed."""
+    from megatron_klear.rollout.generator import Generator
+
+    gen = Generator(model_dir)
+    total = sum(p.numel() * p.element_size() for p in gen.model.parameters())
+    assert gen.release_weights() == total
+    assert all(p.numel() == 0 for p in gen.model.parameters())
+    gen.resume_weights()
+    assert all(torch.isnan(p).all() for p in gen.model.parameters())
+    with pytest.raises(ValueError, match="unknown parameter 'model.bogus'"):
+        gen.load_tensors([("model.bogus", torch.zeros(1))])
+
+
+def test_tensor_sync_makes_server_match_trainer(model_dir):
+    """The colocated sync from a real Megatron model (DDP with the distributed optimizer,
+    DP=2) to an embedded server: stale before, synced after, stale after an in-place step,
+    synced again; every HF tensor's bytes sent once, all packed (none sent from parameter
+    memory, which sharing would move into shared memory)."""
+    with launch_embedded_servers(model_dir, 1) as server:
+        results = run_distributed(_sync_and_probe, 2, server.urls[0], str(model_dir), 1, 1,
+                                  "flattened_bucket", True, True, timeout=240)
+        version = RolloutClient(server.urls).server_info()[server.urls[0]]["weight_version"]
+    diffs = {k: v for r in results for k, v in r["diffs"].items()}
+    assert diffs["before_sync"] > STALE_MIN and diffs["after_step_stale"] > STALE_MIN, diffs
+    assert diffs["after_sync"] < SYNCED_TOL and diffs["after_step_synced"] < SYNCED_TOL, diffs
+    for m in results[0]["metrics"]:
+        assert m["weight_sync/bytes"] == _hf_bytes(model_dir)
+    assert results[0]["planned"]["direct"] == 0
+    assert version == "v2"
