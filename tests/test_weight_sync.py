@@ -104,22 +104,17 @@ def _check_direct_buckets(sync, model, arch) -> dict:
 
 
 def _sync_and_probe(rank: int, world: int, url: str, model_dir: str, tp: int, pp: int,
-                    load_format: str | None, dist_opt: bool = False, handles: bool = False):
+                    load_format: str | None, dist_opt: bool = False):
     """Per rank: probe (stale) -> sync v1 -> probe -> [optimizer step -> probe (stale) ->
     sync v2 -> probe]. Returns the probe diffs measured on the last stage, and metrics;
-    ``dist_opt``: the recipes' layout, every adjacent run sent from parameter memory;
-    ``handles``: the colocated sync (tensor handles, tests/test_colocate.py)."""
+    ``dist_opt``: the recipes' layout, every adjacent run sent from parameter memory."""
     from megatron.core import parallel_state as ps
 
-    from megatron_klear.rollout.tensor_sync import TensorWeightSync
     from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
 
     model, arch = _build(model_dir, tp, pp, seed=1000 + 10 * tp + pp, dist_opt=dist_opt)
-    if handles:
-        sync = TensorWeightSync([url], [model], arch, bucket_bytes=32 * 1024)
-    else:
-        sync = WeightSync([url], [model], arch, bucket_bytes=32 * 1024,
-                          load_format=load_format, min_direct_bytes=1 if dist_opt else 2**40)
+    sync = WeightSync([url], [model], arch, bucket_bytes=32 * 1024, load_format=load_format,
+                      min_direct_bytes=1 if dist_opt else 2**40)
     sync.connect()
     planned = {}
     diffs, metrics = {}, []

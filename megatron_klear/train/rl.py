@@ -26,6 +26,7 @@ from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
 from megatron_klear.train.async_rollout import RolloutSource
+from megatron_klear.train.colocate import Colocation
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
 from megatron_klear.train.memory import Workload
@@ -120,6 +121,27 @@ class RLConfig(TrainConfig):
                                "micro-batches right-padded to the longest sequence)")
     share_prompts: bool = opt(False, "carry each prompt once per pack for its n samples (a "
                               "tree mask: --transformer-impl local only; docs/training.md)")
+    colocate: bool = opt(False, "trainer and rollout engines share the GPUs: engines release "
+                         "their memory while the trainer (offloaded to CPU otherwise) trains, "
+                         "weights go over as tensor handles; docs/rollout.md")
+    sglang_mem_fraction_static: float = opt(0.85, "SGLang's --mem-fraction-static of the rollout "
+                                            "engines: the share of GPU memory for their weights "
+                                            "and KV cache (the --dry-run plan budgets it)")
+
+    def validate_colocation(self) -> None:
+        """``--colocate`` and ``--sglang-mem-fraction-static`` checks."""
+        if not 0 < self.sglang_mem_fraction_static < 1:
+            raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got "
+                              f"{self.sglang_mem_fraction_static}")
+        if not self.colocate:
+            return
+        if self.async_rollout:
+            raise ConfigError("--async-rollout cannot run with --colocate: colocated engines and "
+                              "trainer take turns on the same GPUs, so nothing is generated "
+                              "while the trainer trains; drop one of the two flags")
+        if self.weight_sync_format != "flattened_bucket":
+            raise ConfigError("--colocate passes weights as SGLang flattened buckets of tensor "
+                              "handles; drop --weight-sync-format per_tensor")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -159,6 +181,7 @@ class RLConfig(TrainConfig):
                               "Engine's THD attention cannot express its tree mask): drop "
                               "--no-pack-sequences / use --transformer-impl local, or drop "
                               "--share-prompts")
+        self.validate_colocation()
 
     def correction(self) -> RolloutCorrection | None:
         """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
@@ -460,23 +483,34 @@ def train(cfg: RLConfig) -> list[dict]:
     history: list[dict] = []
     with rollout_servers(cfg) as servers:
         client = RolloutClient(servers.urls)
-        # synchronous runs have nothing in flight at a sync: abort + flush is the clean state
-        sync = WeightSync(servers.urls, engine.model, arch,
-                          bucket_bytes=cfg.weight_sync_bucket_mb * 2**20,
-                          load_format=None if cfg.weight_sync_format == "per_tensor"
-                          else cfg.weight_sync_format,
-                          master_addr=cfg.weight_sync_master_addr, rollout_client=client,
-                          pause_mode=INFLIGHT_PAUSE_MODES[cfg.async_inflight]
-                          if cfg.async_rollout else "abort",
-                          flush_cache=not cfg.async_rollout)
+        if cfg.colocate:
+            sync = colocated_sync(cfg, servers.urls, engine, arch, client)
+            colo = Colocation(engine, client if torch.distributed.get_rank() == 0 else None)
+        else:
+            # synchronous runs have nothing in flight at a sync: abort + flush is the clean state
+            sync = WeightSync(servers.urls, engine.model, arch,
+                              bucket_bytes=cfg.weight_sync_bucket_mb * 2**20,
+                              load_format=None if cfg.weight_sync_format == "per_tensor"
+                              else cfg.weight_sync_format,
+                              master_addr=cfg.weight_sync_master_addr, rollout_client=client,
+                              pause_mode=INFLIGHT_PAUSE_MODES[cfg.async_inflight]
+                              if cfg.async_rollout else "abort",
+                              flush_cache=not cfg.async_rollout)
+            colo = None
         sync.connect()
-        sync.sync(weight_version=str(step))  # servers start from the trainer's weights
+        if colo is not None:  # servers start from the trainer's weights; the trainer leaves
+            colo.sync_and_probe(sync, str(step), probe=False)
+        else:
+            sync.sync(weight_version=str(step))  # servers start from the trainer's weights
         with contextlib.closing(rollout_source(cfg, client, tokenizer, stream, params,
                                                step)) as source:
             while step < cfg.train_iters:
-                metrics = rl_step(engine, cfg, source, tokenizer, step)
+                metrics = rl_step(engine, cfg, source, tokenizer, step,
+                                  colo.before_train if colo is not None else None)
                 step += 1
-                metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
+                metrics.update(colo.sync_and_probe(sync, str(step), cfg.probe_weights)
+                               if colo is not None else
+                               sync_and_probe(engine, cfg, sync, str(step)))
                 source.weights_updated(step)
                 if cfg.eval_data and cfg.eval_interval and step % cfg.eval_interval == 0:
                     metrics.update(periodic_eval(cfg, client, tokenizer))
@@ -484,12 +518,24 @@ def train(cfg: RLConfig) -> list[dict]:
                 history.append(metrics)
                 if cfg.save and (step == cfg.train_iters or
                                  (cfg.save_interval and step % cfg.save_interval == 0)):
-                    engine.save(step, {"consumed_prompts": metrics["data/consumed_prompts"]})
+                    with colo.trainer_resident() if colo else contextlib.nullcontext():
+                        engine.save(step, {"consumed_prompts": metrics["data/consumed_prompts"]})
         sync.close()
+        if colo is not None:
+            colo.close()
     log.close()
     if cfg.export_hf:
         engine.export_hf(cfg.export_hf, cfg.hf_checkpoint)
     return history
+
+
+def colocated_sync(cfg: RLConfig, urls: list[str], engine: Engine, arch: Any,
+                   client: Any) -> Any:
+    """The weight sync of ``--colocate``: tensor handles to the engines on this node."""
+    from megatron_klear.rollout.tensor_sync import TensorWeightSync
+
+    return TensorWeightSync(urls, engine.model, arch, rollout_client=client,
+                            bucket_bytes=cfg.weight_sync_bucket_mb * 2**20)
 
 
 def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStream,
@@ -505,8 +551,10 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
 
 
 def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any,
-            step: int) -> dict:
-    """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it."""
+            step: int, before_train: Any = None) -> dict:
+    """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it;
+    ``before_train()`` (colocated mode: the hand-over of the GPUs) runs before training and
+    returns metrics."""
     t0 = time.time()
     got = source.next(step) if torch.distributed.get_rank() == 0 else None
     batch, cursor, version = broadcast_batch(
@@ -521,6 +569,8 @@ def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any
         metrics["train/skipped_step"] = 1.0
         return metrics
     batch = batch.select_groups(range(usable))
+    if before_train is not None:
+        metrics.update(before_train())
     metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id))
     return metrics
 
