@@ -52,6 +52,16 @@ class Colocation:
             self.client.post_all(path, {"tags": tags})
         dist.barrier()
 
+    def start(self) -> None:
+        """Before the first sync: the engines release everything (KV cache, then weights), so
+        that the sync resumes their weights and KV cache as every later one does. Releasing
+        is idempotent on the embedded server; an engine a launch script released already
+        (run_rl_colocate.sh does, so that the trainer's model fits while it is built) gets
+        the same request again (SGLang: not run on a GPU)."""
+        for tag in RELEASE_ORDER:
+            self._engines("/release_memory_occupation", [tag])
+            self.released.append(tag)
+
     def before_train(self) -> dict[str, float]:
         """Steps 2-3: engines release KV cache then weights; the trainer comes back."""
         t0 = time.perf_counter()

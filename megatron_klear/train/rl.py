@@ -127,14 +127,22 @@ class RLConfig(TrainConfig):
     sglang_mem_fraction_static: float = opt(0.85, "SGLang's --mem-fraction-static of the rollout "
                                             "engines: the share of GPU memory for their weights "
                                             "and KV cache (the --dry-run plan budgets it)")
+    sglang_tp_size: int = opt(1, "TP size of each rollout engine; with --colocate one engine runs "
+                              "per this many GPUs (embedded servers on CPU: one per this many "
+                              "ranks) and the --dry-run plan shards their weights by it")
 
     def validate_colocation(self) -> None:
         """``--colocate`` and ``--sglang-mem-fraction-static`` checks."""
         if not 0 < self.sglang_mem_fraction_static < 1:
             raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got "
                               f"{self.sglang_mem_fraction_static}")
+        if self.sglang_tp_size < 1:
+            raise ConfigError(f"--sglang-tp-size must be >= 1, got {self.sglang_tp_size}")
         if not self.colocate:
             return
+        if self.rollout_num_servers != 1:
+            raise ConfigError("--rollout-num-servers does not apply with --colocate: one engine "
+                              "runs per --sglang-tp-size ranks; drop it")
         if self.async_rollout:
             raise ConfigError("--async-rollout cannot run with --colocate: colocated engines and "
                               "trainer take turns on the same GPUs, so nothing is generated "
@@ -443,14 +451,16 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
 
 @contextlib.contextmanager
 def rollout_servers(cfg: RLConfig):
-    """The rollout servers of the run: given URLs, or embedded servers started here (rank 0)."""
+    """The rollout servers of the run: given URLs, or embedded servers started here (rank 0;
+    with ``--colocate`` one per ``--sglang-tp-size`` ranks)."""
     from megatron_klear.rollout.launcher import connect, launch_embedded_servers
 
     if cfg.rollout_urls:
         yield connect(cfg.rollout_urls)
     elif torch.distributed.get_rank() == 0:
-        with launch_embedded_servers(cfg.hf_checkpoint, cfg.rollout_num_servers,
-                                     seed=cfg.seed) as servers:
+        count = max(torch.distributed.get_world_size() // cfg.sglang_tp_size, 1) \
+            if cfg.colocate else cfg.rollout_num_servers  # colocated: one per engine TP group
+        with launch_embedded_servers(cfg.hf_checkpoint, count, seed=cfg.seed) as servers:
             broadcast_batch(servers.urls)
             yield servers
     else:
@@ -499,6 +509,7 @@ def train(cfg: RLConfig) -> list[dict]:
             colo = None
         sync.connect()
         if colo is not None:  # servers start from the trainer's weights; the trainer leaves
+            colo.start()
             colo.sync_and_probe(sync, str(step), probe=False)
         else:
             sync.sync(weight_version=str(step))  # servers start from the trainer's weights
