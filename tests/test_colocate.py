@@ -145,3 +145,18 @@ def test_colocated_rl_equals_separate_rl(model_dir, tmp_path):
         assert m["weight_sync/probe_max_abs_diff"] < SYNCED_TOL
         assert m["colocate/offloaded_bytes"] > 0
         assert m["time/engine_release_s"] > 0 and m["time/trainer_onload_s"] > 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--async-rollout"], "--async-rollout cannot run with --colocate"),
+    (["--weight-sync-format", "per_tensor"], "drop --weight-sync-format per_tensor"),
+    (["--rollout-num-servers", "2"], "one engine runs per --sglang-tp-size ranks"),
+])
+def test_colocate_refuses_what_it_cannot_do(tmp_path, extra, message):
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.train.rl import RLConfig
+
+    base = ["--hf-checkpoint", str(tmp_path), "--prompt-data", "p.jsonl", "--colocate"]
+    parse_config(RLConfig, base)  # valid alone
+    with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
+        parse_config(RLConfig, base + extra)
