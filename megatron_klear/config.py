@@ -205,6 +205,13 @@ class TrainConfig:
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
         if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
             raise ConfigError("--optimizer-cpu-offload needs --use-distributed-optimizer")
+        if self.optimizer_cpu_offload and not self.bf16:
+            # megatron-core 0.16.1's DistributedOptimizer hands its fp32 parameter shards (views)
+            # to the CPU-offloading optimizer, which torch refuses ("can't optimize a non-leaf
+            # Tensor"); with bf16 parameters it gets the shards' fp32 copies
+            raise ConfigError("--optimizer-cpu-offload needs --bf16 (megatron-core's offloading "
+                              "optimizer cannot take fp32 parameters); add --bf16 or drop "
+                              "--optimizer-cpu-offload")
 
     @property
     def decay_iters(self) -> int:

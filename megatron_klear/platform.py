@@ -13,7 +13,9 @@ dist_checkpointing) runs on CPU under gloo:
 * the mode re-entered in custom autograd ``Function.backward`` and tensor hooks, which autograd
   runs with an empty mode stack (megatron's activation recompute re-runs the forward there);
 * two MoE shims (:func:`_patch_megatron_moe`): the router GEMM without Transformer Engine,
-  and the all-to-all token dispatcher's split sizes as numpy arrays, as on GPU.
+  and the all-to-all token dispatcher's split sizes as numpy arrays, as on GPU; and the
+  precision-aware optimizer's TE version check without TE (:func:`_patch_megatron_optimizer_config`,
+  GPU machines without TE too).
 
 Strict device mode (``KLEAR_STRICT_DEVICES=1``, for tests): the emulation additionally
 plays a *virtual CUDA device*. Every tensor that would live on the GPU on a GPU machine is
@@ -22,8 +24,13 @@ outputs of every op with a CUDA input (a ``TorchDispatchMode`` sees every aten o
 backward, recompute and optimizer steps alike). Such tensors report ``device.type == "cuda"``
 and :func:`device` returns ``cuda:LOCAL_RANK``, so the code under test takes its GPU path. An
 op that mixes CUDA and CPU tensors where CUDA torch would refuse (anything but copies, CPU
-scalars and CPU index tensors), or a collective on a CPU tensor (NCCL refuses those), raises
-:class:`DeviceMismatchError`. See tests/test_placement.py.
+scalars and CPU index tensors), or a collective on a CPU tensor (NCCL refuses those) outside a
+:func:`host_collective` (a gloo group's collective, which moves host tensors), raises
+:class:`DeviceMismatchError`. ``torch.cuda.is_available()`` answers True, as on a GPU machine
+(code that asks torch instead of this module takes its GPU branch too). Pinned host memory is
+emulated (``pin_memory()``, ``pin_memory=True``, ``is_pinned()``), so that megatron's
+CPU-offloading optimizer really offloads: it keeps pinned CPU copies of every parameter that
+reports ``is_cuda``. See tests/test_placement.py and tests/virtual_cuda.py.
 
 This is the ONLY module that knows the trainer may run without CUDA; everything else is
 written as if on GPU. :func:`setup` is idempotent.
@@ -35,6 +42,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -45,15 +53,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["Platform", "setup", "cuda_available", "device", "backend", "batch_p2p_comm",
-           "is_emulated", "host_only_section",
+           "is_emulated", "host_only_section", "host_collective",
            "DeviceMismatchError", "STRICT_ENV"]
 
 STRICT_ENV = "KLEAR_STRICT_DEVICES"
 
 
+_TORCH_CUDA_AVAILABLE = torch.cuda.is_available  # strict device mode replaces the attribute
+
+
 def cuda_available() -> bool:
     """True when a real CUDA device can be used."""
-    return torch.cuda.is_available()
+    return _TORCH_CUDA_AVAILABLE()
 
 
 def _strict() -> bool:
@@ -95,6 +106,8 @@ def _redirect(dev):
 
 _TO = {torch.Tensor.to}
 _CUDA_METHODS = {torch.Tensor.cuda}
+_PIN = torch.Tensor.pin_memory
+_IS_PINNED = torch.Tensor.is_pinned
 
 
 def _names_cuda(dev) -> bool | None:
@@ -137,6 +150,13 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if self.strict and func in _DEVICE_QUERIES:
             return _DEVICE_QUERIES[func](args[0])
+        if func is _IS_PINNED:
+            return _PINNED.is_pinned(args[0])
+        if func is _PIN:  # a pinned copy (the tensor itself when it is pinned already)
+            if _PINNED.is_pinned(args[0]):
+                return args[0]
+            return _PINNED.pin(args[0].clone())
+        pinned = bool(kwargs.pop("pin_memory", False))
         target = _target_device(func, args, kwargs) if self.strict else None
         if func in _CUDA_METHODS:
             out = args[0]
@@ -154,7 +174,7 @@ class _CudaToCpuMode(TorchFunctionMode):
                     out.untyped_storage() is args[0].untyped_storage():
                 out = out.clone()  # a real device move copies; the source keeps its device
             _TAGS.set(out, target)
-        return out
+        return _PINNED.pin(out) if pinned else out
 
 
 def _is_move(func) -> bool:
@@ -204,6 +224,43 @@ class _DeviceTags:
 
 
 _TAGS = _DeviceTags()
+
+
+class _PinnedStorages:
+    """Emulated page-locked host memory: the storages made by ``pin_memory()`` or a factory
+    with ``pin_memory=True`` (CUDA-less torch refuses both: "no pinned memory allocator")."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, weakref.ref] = {}
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        storage = _DeviceTags._storage(t)
+        ref = self.pinned.get(id(storage)) if storage is not None else None
+        return ref is not None and ref() is storage
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        storage = _DeviceTags._storage(t)
+        if storage is not None:
+            key = id(storage)
+            self.pinned[key] = weakref.ref(storage, lambda _, k=key: self.pinned.pop(k, None))
+        return t
+
+
+_PINNED = _PinnedStorages()
+_HOST_COLLECTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def host_collective() -> Iterator[None]:
+    """Collectives issued inside run on a gloo group (e.g. the weight-update group with a CPU
+    rollout server), which moves host tensors on GPU machines too: strict device mode does not
+    ask for CUDA tensors there. No-op otherwise."""
+    depth = getattr(_HOST_COLLECTIVE, "depth", 0)
+    _HOST_COLLECTIVE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _HOST_COLLECTIVE.depth = depth
 _VIRTUAL_CUDA = torch.device("cuda", 0)
 _DEVICE_QUERIES = {
     torch.Tensor.device.__get__: lambda t: _VIRTUAL_CUDA if _TAGS.is_cuda(t) else t.device,
@@ -236,7 +293,7 @@ class _DeviceCheckMode(TorchDispatchMode):
         name = func.name()
         if name.startswith("c10d::") and name != "c10d::barrier":  # torch makes its tensor
             if not all(on_cuda[i] or not t.numel() for i, t in enumerate(tensors)) and \
-                    not _in_object_collective():
+                    not getattr(_HOST_COLLECTIVE, "depth", 0) and not _in_object_collective():
                 raise DeviceMismatchError(
                     f"{name} on a CPU tensor: NCCL (the GPU backend) only moves CUDA tensors")
         elif any(on_cuda) and name not in _CROSS_DEVICE:
@@ -341,6 +398,18 @@ def _patch_megatron_moe(emulated: bool) -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
 
 
+def _patch_megatron_optimizer_config() -> None:
+    """megatron/core/optimizer/optimizer_config.py (0.16.1) asks ``is_te_min_version("2.1.0")``
+    whenever ``use_precision_aware_optimizer`` is on, and without Transformer Engine that
+    compares None with a version (TypeError), although the CPU-offloading optimizer, which
+    Megatron-LM requires that flag with, needs no TE. Without TE the answer is False."""
+    from megatron.core import utils
+    from megatron.core.optimizer import optimizer_config
+
+    if utils.get_te_version() is None:
+        optimizer_config.is_te_min_version = lambda *args, **kwargs: False
+
+
 class _NullStream:
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -427,6 +496,7 @@ def setup() -> Platform:
         _patch_tensor_type()
         strict = _strict()
         if strict:
+            torch.cuda.is_available = lambda: True  # the virtual device is a CUDA device
             check = _DeviceCheckMode()
             check.__enter__()
             _STATE["check"] = check
@@ -437,6 +507,7 @@ def setup() -> Platform:
     else:
         torch.cuda.set_device(device())
     _patch_megatron_moe(emulated)
+    _patch_megatron_optimizer_config()
     _STATE["platform"] = Platform(device=device(), backend=backend(), emulated=emulated)
     return _STATE["platform"]
 

@@ -43,7 +43,8 @@ def test_megatron_flag_names_parse():
         "--tensor-model-parallel-size", "2", "--sequence-parallel",
         "--recompute-granularity", "full", "--recompute-method", "block",
         "--recompute-num-layers", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
-        "--overlap-param-gather", "--optimizer-cpu-offload", "--transformer-impl", "local",
+        "--overlap-param-gather", "--optimizer-cpu-offload", "--bf16", "--transformer-impl",
+        "local",
         "--loss-backend", "torch"])
     assert cfg.sequence_parallel and cfg.recompute_method == "block"
     assert cfg.recompute_num_layers == 2 and cfg.overlap_param_gather
@@ -62,6 +63,7 @@ def test_megatron_flag_names_parse():
     (["--recompute-modules", "core_attn"], "--recompute-modules applies only"),
     (["--overlap-param-gather"], "--use-distributed-optimizer"),
     (["--optimizer-cpu-offload"], "--use-distributed-optimizer"),
+    (["--optimizer-cpu-offload", "--use-distributed-optimizer"], "needs --bf16"),
 ])
 def test_inconsistent_flags_name_the_flag(argv, flag):
     from megatron_klear.config import ConfigError, TrainConfig, parse_config

@@ -75,6 +75,43 @@ def test_config_errors_name_the_flags():
                     global_batch_size=2).data_parallel_size(4)
 
 
+@pytest.mark.parametrize("cp,tp,sp,want", [(1, 1, False, 1), (1, 2, False, 1), (1, 2, True, 2),
+                                            (2, 1, False, 4), (2, 2, False, 4), (2, 2, True, 4),
+                                            (2, 4, True, 8), (3, 2, True, 6), (4, 3, True, 24)])
+def test_padded_length_multiple_is_what_megatron_splits(cp, tp, sp, want):
+    """2 x CP load-balanced chunks; under SP each CP rank's length / CP splits over TP."""
+    from megatron_klear.train.context_parallel import sequence_multiple
+
+    assert sequence_multiple(cp, tp, sp) == want
+
+
+@pytest.mark.parametrize("trainer,extra", [
+    ("rl", ["--prompt-data", "p.jsonl"]),  # packs by default
+    ("sft", ["--data-path", "d.jsonl"]),
+    ("sft", ["--data-path", "d.jsonl", "--no-pack"]),  # one sample per THD pack
+])
+def test_context_parallel_with_thd_packs_is_refused_by_validate_and_dry_run(trainer, extra,
+                                                                             capsys):
+    """THD packs cannot be split over CP ranks yet: both trainers refuse at parse time, so the
+    dry run does too, naming the way out; RL's padded micro-batches are accepted."""
+    from megatron_klear.train import rl, sft
+
+    argv = ["--context-parallel-size", "2", "--transformer-impl", "transformer_engine",
+            "--hf-checkpoint", "hf", "--seq-length", "64", *extra]
+    main = rl.main if trainer == "rl" else sft.main
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--dry-run"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--context-parallel-size 2" in err and "THD" in err
+    assert ("--no-pack-sequences" if trainer == "rl" else "tensor/pipeline parallelism") in err
+    if trainer == "rl":
+        from megatron_klear.config import parse_config
+
+        cfg = parse_config(rl.RLConfig, [*argv, "--no-pack-sequences"])
+        assert cfg.context_parallel_size == 2 and not cfg.pack_sequences
+
+
 # ---------------------------------------------------------------- CP slicing (no processes)
 def test_cp_slicing_is_load_balanced_and_round_trips():
     t = torch.arange(2 * 16).reshape(2, 16)
@@ -282,7 +319,7 @@ class PositionwiseLM(torch.nn.Module):
         pass
 
 
-def _cp_run(cp: int):
+def _cp_run(cp: int, steps: int = STEPS):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
@@ -299,11 +336,59 @@ def _cp_run(cp: int):
         grad_reduce_in_fp32=True), module=module)]
     eng = Engine(cfg=cfg, arch=None, model=model)
     eng.optimizer, eng.scheduler = build_optimizer(model, cfg)
-    return _train(eng, STEPS)
+    return _train(eng, steps)
+
+
+def _schedule_length(cp: int) -> int:
+    """The seq_length the engine hands megatron's schedule at CP ``cp`` (micro-batches of 16
+    tokens): megatron divides it by CP itself for the pipeline sends (get_tensor_shapes)."""
+    import megatron.core.pipeline_parallel as pipeline
+
+    seen = {}
+    original = pipeline.get_forward_backward_func
+
+    def spy():
+        run = original()
+
+        def wrapped(**kwargs):
+            seen["seq_length"] = kwargs["seq_length"]
+            return run(**kwargs)
+        return wrapped
+
+    pipeline.get_forward_backward_func = spy
+    try:
+        _cp_run(cp, steps=1)
+    finally:
+        pipeline.get_forward_backward_func = original
+    return seen["seq_length"]
+
+
+def _cp_probe() -> dict:
+    """The probe's logits helper at CP 2 on 7 tokens: each rank runs only its slice of the
+    sequence padded to 8 (4 tokens), and the gathered logits are the whole sequence's."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_klear.checkpoint.convert import megatron_logits
+
+    torch.manual_seed(5)
+    model = PositionwiseLM(TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=1,
+                                             context_parallel_size=2), VOCAB)
+    fed = []
+    forward = model.forward
+    model.forward = lambda tokens, *a, **k: fed.append(tuple(tokens.shape)) or forward(tokens, *a, **k)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    got = megatron_logits(model, SimpleNamespace(vocab_size=VOCAB), ids)
+    want = forward(ids, None, None)
+    return {"fed": fed, "shape": tuple(got.shape), "max_diff": float((got - want).abs().max())}
 
 
 def _cp_parity(rank, world):
-    return dict(cp1=_cp_run(1), cp2=_cp_run(2))  # CP1: DP2 on these 2 ranks; CP2: DP1
+    out = dict(cp1=_cp_run(1), cp2=_cp_run(2))  # CP1: DP2 on these 2 ranks; CP2: DP1
+    out["schedule_length"] = _schedule_length(2)
+    out["probe"] = _cp_probe()
+    return out
 
 
 def test_context_parallel_loss_and_normaliser_equal_no_cp():
@@ -313,6 +398,11 @@ def test_context_parallel_loss_and_normaliser_equal_no_cp():
             assert got["tokens"] == want["tokens"]  # the normaliser, summed over CP slices
             assert abs(got["loss"] - want["loss"]) < 1e-6, (got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) < 1e-6 * max(1, want["grad_norm"])
+        # the engine hands megatron the whole length (megatron divides by CP for its sends)
+        assert r["schedule_length"] == 16
+        probe = r["probe"]  # the weight-sync probe's logits helper under CP
+        assert probe["fed"] == [(2, 4)] and probe["shape"] == (2, 7, VOCAB)
+        assert probe["max_diff"] < 1e-6
 
 
 # ---------------------------------------------------------------- memory plan (no processes)

@@ -80,7 +80,8 @@ def _gpu_path(rank, world, tmp):
     rl = eng.train_step(mbs, policy_loss_fn(eng.cfg, VOCAB, total, total))
     eng.save(2, {})
     eng.export_hf(f"{tmp}/hf")
-    result = {"params_on_cuda": on_cuda, "sft_loss": sft["loss"], "rl_loss": rl["train/loss"]}
+    result = {"params_on_cuda": on_cuda, "sft_loss": sft["loss"], "rl_loss": rl["train/loss"],
+              "padded_sp": _padded_sp_step(eng)}
 
     # planted misplacement 1: the engine forgets to move the micro-batch to the device
     to_device = engine_mod.to_device
@@ -103,6 +104,26 @@ def _gpu_path(rank, world, tmp):
         lambda: cpu_model.train_step(_microbatches(), sft_loss_fn(VOCAB, total, "torch")))
     result["moe_ep2"] = _moe_ep2_path(tmp)
     return result
+
+
+def _padded_sp_step(eng) -> dict:
+    """An RL step on padded micro-batches (--no-pack-sequences) whose longest sample has 12
+    tokens: 11 next-token positions, which megatron's sequence-parallel scatter cannot split
+    over TP 2 unless the length is rounded up (issue 30, defect 7)."""
+    from dataclasses import replace
+
+    from megatron_klear.train.rl import rollout_microbatches, train_on_batch
+    from megatron_klear.train.rl_data import RolloutBatch
+    from tests.virtual_cuda import caught
+
+    batch = RolloutBatch(group_size=2, prompt_ids=[[5, 6, 7]] * 2 + [[8, 9]] * 2,
+                         response_ids=[[10] * 4, [11] * 9, [12] * 3, [13] * 6],
+                         rewards=[1.0, 0.0, 0.0, 1.0], truncated=[False] * 4,
+                         prompt_index=[0, 0, 1, 1], advantages=[1.0, -1.0, -1.0, 1.0])
+    batch.rollout_logprobs = [[-0.5] * len(r) for r in batch.response_ids]
+    cfg = replace(eng.cfg, pack_sequences=False)
+    length = rollout_microbatches(batch, range(len(batch)), cfg, 0)[0]["tokens"].shape[1]
+    return {"length": length, "error": caught(lambda: train_on_batch(eng, cfg, batch, 0))}
 
 
 def _moe_ep2_path(tmp: str) -> dict:
@@ -161,3 +182,9 @@ def test_moe_expert_parallel_path_is_where_cuda_needs_it(strict_run):
         assert torch.isfinite(torch.tensor([r["moe_ep2"]["sft_loss"],
                                             r["moe_ep2"]["rl_loss"]])).all()
     assert (tmp / "moe_hf" / "config.json").is_file()
+
+
+def test_padded_rl_lengths_are_rounded_for_sequence_parallel(strict_run):
+    for r in strict_run[1]:
+        assert r["padded_sp"]["length"] == 12  # 11 positions rounded up to a multiple of TP 2
+        assert r["padded_sp"]["error"] is None

@@ -371,3 +371,29 @@ def test_packer_thread_runs_at_lowest_cpu_priority():
     with concurrent.futures.ThreadPoolExecutor(1, initializer=lowest_cpu_priority) as packer:
         assert packer.submit(niceness).result() == 19
     assert niceness() == before
+
+
+def test_update_backend_follows_the_servers_devices(monkeypatch):
+    """NCCL only from a GPU trainer to GPU servers (NCCL moves CUDA tensors only); a CPU
+    server anywhere (the embedded one reports device cpu in /server_info) means gloo."""
+    from megatron_klear import platform
+    from megatron_klear.rollout.weight_sync import update_backend
+
+    assert update_backend(["cuda"]) == "gloo"  # this CPU trainer
+    monkeypatch.setattr(platform, "device", lambda: torch.device("cuda", 0))
+    assert update_backend(["cuda", "cuda"]) == "nccl"
+    assert update_backend(["cuda", "cpu"]) == "gloo"
+    assert update_backend(["cpu"]) == "gloo"
+
+
+def test_each_pipeline_stage_hosts_its_group_on_its_own_node():
+    """--weight-sync-master-addr names one node; with PP > 1 a stage on another node (whose
+    address it cannot bind) hosts its group at its own address on the route to the servers."""
+    from megatron_klear.rollout.weight_sync import stage_master_addr
+
+    url = "http://127.0.0.1:30000"
+    other_node = "10.255.255.1"  # not an address of this machine
+    assert stage_master_addr(None, url, 2) == "127.0.0.1"
+    assert stage_master_addr("127.0.0.1", url, 2) == "127.0.0.1"
+    assert stage_master_addr(other_node, url, 2) == "127.0.0.1"
+    assert stage_master_addr(other_node, url, 1) == other_node  # PP 1: the user's choice

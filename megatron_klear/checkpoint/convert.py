@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge, torch_dist_io
 from megatron_klear.checkpoint.hf_io import (ConversionError, SafetensorsReader, ShardPlan,
                                              ShardWriter, byte_slices, checkpoint_dtype,
@@ -44,6 +45,7 @@ from megatron_klear.checkpoint.hf_io import (ConversionError, SafetensorsReader,
 from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint, read_meta,
                                              save_checkpoint)
 from megatron_klear.models import qwen3
+from megatron_klear.train.context_parallel import slice_for_cp_rank, unslice_from_cp_ranks
 
 __all__ = ["ConversionError", "DTYPES", "DTYPE_CHOICES", "convert_hf_to_megatron",
            "convert_megatron_to_hf", "compare_logits", "megatron_logits", "hf_logits",
@@ -284,16 +286,23 @@ def _write_hf_shard(out: Path, plan: ShardPlan, sources: dict[str, torch_dist_io
 @torch.no_grad()
 def megatron_logits(model: torch.nn.Module | list[torch.nn.Module], arch: qwen3.Qwen3Arch,
                     input_ids: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocab fp32 logits [b, s, vocab] on the last pipeline stage (every TP rank of
-    it), None on other stages. Runs megatron's forward-only pipeline schedule over the
+    """Full-vocab fp32 logits [b, s, vocab] on the last pipeline stage (every TP and CP rank
+    of it), None on other stages. Runs megatron's forward-only pipeline schedule over the
     model chunk(s) (the interleaved schedule wants at least PP micro-batches: the same
-    ids are then fed PP times)."""
+    ids are then fed PP times). ``input_ids`` may be on any device: the model gets them on
+    its own (the embedding refuses an index on another device). Under context parallelism
+    each CP rank runs its load-balanced slice (padded to 2 x CP) and the slices are gathered."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     b, s = input_ids.shape
-    positions = torch.arange(s).expand(b, s)
+    cp = ps.get_context_parallel_world_size()
+    padded = s + (-s % (2 * cp) if cp > 1 else 0)
+    ids = torch.nn.functional.pad(input_ids.to(platform.device()), (0, padded - s))
+    positions = torch.arange(padded, device=ids.device).expand(b, padded)
+    ids, positions = (slice_for_cp_rank(t, cp, ps.get_context_parallel_rank())
+                      for t in (ids, positions))
 
     def forward_step(data_iterator, chunk):
         out = chunk(next(data_iterator), positions, attention_mask=None)
@@ -301,13 +310,17 @@ def megatron_logits(model: torch.nn.Module | list[torch.nn.Module], arch: qwen3.
 
     chunks = model if isinstance(model, list) else [model]
     n = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
-    data = [iter([input_ids] * n) for _ in chunks] if len(chunks) > 1 else iter([input_ids])
+    data = [iter([ids] * n) for _ in chunks] if len(chunks) > 1 else iter([ids])
     results = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data, model=chunks,
-        num_microbatches=n, seq_length=s, micro_batch_size=b, forward_only=True)
+        num_microbatches=n, seq_length=padded, micro_batch_size=b, forward_only=True)
     if not ps.is_pipeline_last_stage():
         return None
     logits = gather_from_tensor_model_parallel_region(results[0]["logits"])
+    if cp > 1:
+        slices = [torch.empty_like(logits) for _ in range(cp)]
+        dist.all_gather(slices, logits.contiguous(), group=ps.get_context_parallel_group())
+        logits = unslice_from_cp_ranks(slices)[:, :s]
     return logits[..., : arch.vocab_size].float()
 
 
@@ -329,9 +342,9 @@ def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1,
     ids = torch.randint(0, arch.vocab_size, (batch_size, seq_length),
                         generator=torch.Generator().manual_seed(seed))
     logits = megatron_logits(model, arch, ids)
-    diff = torch.zeros((), dtype=torch.float64)
+    diff = torch.zeros((), dtype=torch.float64, device=platform.device())  # NCCL: on the GPU
     if logits is not None:
-        diff.fill_((hf_logits(hf_dir, ids) - logits).abs().max().item())
+        diff.fill_((hf_logits(hf_dir, ids) - logits.cpu()).abs().max().item())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)
 

@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.overrides import TorchFunctionMode
 
 from megatron_klear import platform
 from megatron_klear.checkpoint import hf_bridge
@@ -89,14 +90,34 @@ class ParamSlot:
         return self.chunks[0].global_offset[:self.prepend]
 
 
+class _AllOnMeta(TorchFunctionMode):
+    """Every tensor made or moved inside lands on the meta device, whatever device the
+    caller names. ``with torch.device("meta")`` only fills in a *missing* device, and
+    megatron's parallel layers and :mod:`~megatron_klear.models.norms` pass
+    ``device=torch.cuda.current_device()``: under it a GPU would allocate the whole model."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or (func is torch.Tensor.to and args[0].is_meta):
+            if func is torch.Tensor.to:  # keep a dtype change, drop the device
+                dtype = kwargs.get("dtype") or next(
+                    (a for a in args[1:] if isinstance(a, torch.dtype)), None)
+                return args[0] if dtype is None else args[0].to(dtype)
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 def meta_model(arch: qwen3.Qwen3Arch, dtype: torch.dtype) -> torch.nn.Module:
-    """The Qwen3 GPTModel of the current parallel layout on the meta device (no memory)."""
+    """The Qwen3 GPTModel of the current parallel layout with every parameter and buffer on
+    the meta device (no memory, on a GPU machine too)."""
     from megatron.core import parallel_state as ps
 
     config = qwen3.transformer_config(arch, tp=ps.get_tensor_model_parallel_world_size(),
                                       pp=ps.get_pipeline_model_parallel_world_size(),
                                       params_dtype=dtype, perform_initialization=False)
-    with torch.device("meta"):
+    with _AllOnMeta(), torch.device("meta"):
         return qwen3.build_gpt_model(arch, config).eval()
 
 

@@ -58,70 +58,105 @@ def length_groups(lengths: list[int], num_heads: int, slack: float = GROUP_SLACK
     return groups
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One scaled-dot-product call: right-padded members' query and key indices into the pack
+    ([g, Lq], [g, Lk]), which query slots are real ([g, Lq]), and the tree mask where a member
+    sees a context segment ([g, Lq, Lk]; None: plain causal)."""
+
+    q_idx: Tensor
+    k_idx: Tensor
+    valid: Tensor
+    mask: Tensor | None
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """Index tensors of a pack's attention, on the q/k/v device: made once per micro-batch
+    from ``cu_seqlens`` (one host read) and reused by every layer, so the layers themselves
+    neither read device values on the host nor send small tensors to the device."""
+
+    total: int
+    groups: tuple[_Group, ...]
+    order: Tensor  # row i of the concatenated group outputs is token order[i]'s
+
+
+def varlen_plan(cu_seqlens: Tensor | list[int], num_heads: int, device: torch.device,
+                parents: list[int] | None = None) -> VarlenPlan:
+    """The :class:`VarlenPlan` of a pack (``cu_seqlens`` [n + 1], ``parents`` as in
+    :func:`varlen_causal_attention`) with every tensor on ``device``."""
+    bounds = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0; got {bounds[0]}")
+    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]
+    parents = parents or [-1] * len(lengths)
+    context = [lengths[p] if p >= 0 else 0 for p in parents]
+    groups, where = [], []
+    plain, branches = ([i for i, c in enumerate(context) if bool(c) == b] for b in (False, True))
+    for kind in (plain, branches):
+        spans = [lengths[i] + context[i] for i in kind]
+        for group in length_groups(spans, num_heads):
+            members = [kind[g] for g in group]
+            groups.append(_group_indices([starts[i] for i in members],
+                                         [lengths[i] for i in members],
+                                         [starts[parents[i]] for i in members],
+                                         [context[i] for i in members], device))
+            where.append(groups[-1].q_idx[groups[-1].valid])
+    total = bounds[-1]
+    order = torch.empty(total, dtype=torch.long, device=device)
+    order[torch.cat(where)] = torch.arange(total, device=device)
+    return VarlenPlan(total, tuple(groups), order)
+
+
+def _group_indices(first: list[int], lengths: list[int], context_first: list[int],
+                   context: list[int], device: torch.device) -> _Group:
+    """A group's indices: member m's keys are its context (``context[m]`` tokens from
+    ``context_first[m]``), then its own tokens; its padding repeats its first token."""
+    lens, ctx = (torch.tensor(x, device=device) for x in (lengths, context))
+    first_t, ctx_first = (torch.tensor(x, device=device) for x in (first, context_first))
+    steps = torch.arange(max(lengths), device=device)
+    valid = steps[None, :] < lens[:, None]                                   # [g, Lq]
+    q_idx = torch.where(valid, first_t[:, None] + steps[None, :], first_t[:, None])
+    k_steps = torch.arange(max(a + b for a, b in zip(lengths, context)), device=device)[None, :]
+    own = first_t[:, None] + k_steps - ctx[:, None]
+    k_idx = torch.where(k_steps < ctx[:, None], ctx_first[:, None] + k_steps, own)
+    k_idx = torch.where(k_steps < (ctx + lens)[:, None], k_idx, first_t[:, None])
+    # query t of member m sees its context and its own tokens up to t
+    mask = k_steps[:, None, :] <= ctx[:, None, None] + steps[None, :, None] if any(context) \
+        else None
+    return _Group(q_idx, k_idx, valid, mask)
+
+
 def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, *,
                             scale: float, dropout_p: float = 0.0,
-                            parents: list[int] | None = None) -> Tensor:
+                            parents: list[int] | None = None,
+                            plan: VarlenPlan | None = None) -> Tensor:
     """Causal attention inside each sequence of a pack.
 
     ``query`` [T, heads, d], ``key``/``value`` [T, groups, d] (grouped-query attention when
     groups < heads), ``cu_seqlens`` [n + 1] covering all T tokens. ``parents`` (prompt
     sharing, see :func:`~megatron_klear.data.packing.thd_pack`): segment i attends to all of
-    segment ``parents[i]`` before its own tokens (-1: none). Returns [T, heads, d].
+    segment ``parents[i]`` before its own tokens (-1: none). ``plan``: the pack's
+    :func:`varlen_plan`, made here when not given. Returns [T, heads, d].
     """
     total = query.shape[0]
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != total:
+    plan = plan or varlen_plan(cu_seqlens, query.shape[1], query.device, parents)
+    if plan.total != total:
         raise ValueError(f"cu_seqlens must run from 0 to the pack length {total}; got "
-                         f"{bounds[0]}..{bounds[-1]}")
-    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]
-    parents = parents or [-1] * len(lengths)
-    context = [lengths[p] if p >= 0 else 0 for p in parents]
-    outs, where = [], []
-    plain, branches = ([i for i, c in enumerate(context) if bool(c) == b] for b in (False, True))
-    for kind in (plain, branches):
-        spans = [lengths[i] + context[i] for i in kind]
-        for group in length_groups(spans, query.shape[1]):
-            members = [kind[g] for g in group]
-            out, idx = _group_attention(query, key, value, [starts[i] for i in members],
-                                        [lengths[i] for i in members],
-                                        [starts[parents[i]] for i in members],
-                                        [context[i] for i in members], scale, dropout_p)
-            outs.append(out)
-            where.append(idx)
-    order = torch.empty(total, dtype=torch.long)
-    order[torch.cat(where)] = torch.arange(total)
-    return torch.cat(outs)[order]
-
-
-def _group_attention(query: Tensor, key: Tensor, value: Tensor, first: list[int],
-                     lengths: list[int], context_first: list[int], context: list[int],
-                     scale: float, dropout_p: float) -> tuple[Tensor, Tensor]:
-    """One scaled-dot-product call for a group of segments, right-padded to the longest:
-    member m's keys are its context (``context[m]`` tokens from ``context_first[m]``), then
-    its own tokens. Returns its real queries' outputs [tokens, heads, d] and their indices."""
-    lens, ctx = torch.tensor(lengths), torch.tensor(context)
-    first_t, ctx_first = torch.tensor(first), torch.tensor(context_first)
-    steps = torch.arange(int(lens.max()))
-    valid = steps[None, :] < lens[:, None]                                   # [g, Lq]
-    q_idx = torch.where(valid, first_t[:, None] + steps[None, :], first_t[:, None])
-    k_steps = torch.arange(int((lens + ctx).max()))[None, :]                 # [1, Lk]
-    own = first_t[:, None] + k_steps - ctx[:, None]
-    k_idx = torch.where(k_steps < ctx[:, None], ctx_first[:, None] + k_steps, own)
-    k_idx = torch.where(k_steps < (ctx + lens)[:, None], k_idx, first_t[:, None])
-    q = query[q_idx].transpose(1, 2)                                         # [g, heads, Lq, d]
-    k, v = (x[k_idx].transpose(1, 2) for x in (key, value))
+                         f"0..{plan.total}")
     gqa = query.shape[1] != key.shape[1]
-    if not ctx.any():
-        # the causal kernel, no mask: a member's padding follows its last token, so a real
+    outs = []
+    for g in plan.groups:
+        q = query[g.q_idx].transpose(1, 2)                                   # [g, heads, Lq, d]
+        k, v = (x[g.k_idx].transpose(1, 2) for x in (key, value))
+        # no mask: the causal kernel; a member's padding follows its last token, so a real
         # query (before it) never sees a padding key; padding queries are dropped below, and
         # with zero probability and zero output gradient they pass no gradient either
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                           scale=scale, enable_gqa=gqa)
-    else:  # query t of member m sees its context and its own tokens up to t
-        mask = k_steps[:, None, :] <= ctx[:, None, None] + steps[None, :, None]  # [g, Lq, Lk]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                           dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-    return o.transpose(1, 2)[valid], q_idx[valid]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if g.mask is None else g.mask[:, None],
+            dropout_p=dropout_p, is_causal=g.mask is None, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(1, 2)[g.valid])
+    return torch.cat(outs)[plan.order]
 
 
 @dataclass
@@ -133,6 +168,18 @@ class SharedPrefixParams(PackedSeqParams):
 
     parent_segment: Tensor | None = None
     branch_rotation: Tensor | None = None
+
+
+def _cached_plan(params: PackedSeqParams, num_heads: int, device: torch.device) -> VarlenPlan:
+    """The pack's :class:`VarlenPlan`, made by the first layer and kept on ``params`` (one
+    object per micro-batch, shared by every layer of the forward and of a recompute)."""
+    plan = getattr(params, "klear_varlen_plan", None)
+    if plan is None or plan.order.device != device:
+        parents = getattr(params, "parent_segment", None)
+        plan = varlen_plan(params.cu_seqlens_q, num_heads, device,
+                           None if parents is None else parents.tolist())
+        params.klear_varlen_plan = plan
+    return plan
 
 
 class VarlenCoreAttention(DotProductAttention):
@@ -152,14 +199,13 @@ class VarlenCoreAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
             raise ValueError("VarlenCoreAttention serves qkv_format 'thd' packs without "
                              f"attention_bias (got {packed_seq_params.qkv_format!r})")
-        parents = getattr(packed_seq_params, "parent_segment", None)
-        if parents is not None:
-            parents = parents.tolist()
+        if getattr(packed_seq_params, "parent_segment", None) is not None:
             query, key = self._continue_positions(query, key, packed_seq_params)
+        plan = _cached_plan(packed_seq_params, query.shape[1], query.device)
         p = self.attention_dropout.p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork():
             out = varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                          scale=self.softmax_scale, dropout_p=p, parents=parents)
+                                          scale=self.softmax_scale, dropout_p=p, plan=plan)
         return out.reshape(out.shape[0], -1)
 
     def _continue_positions(self, query: Tensor, key: Tensor, params: SharedPrefixParams

@@ -58,6 +58,7 @@ from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, 
 __all__ = ["RolloutServer", "build_app", "main"]
 
 log = logging.getLogger("megatron_klear.rollout.server")
+DEVICE = "cpu"  # where the model computes (/server_info "device", as SGLang reports its own)
 
 # SGLang's memory tags (sglang/srt/constants.py, GPU_MEMORY_ALL_TYPES), in its order
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
@@ -288,7 +289,7 @@ class RolloutServer:
         """GET /server_info: the fields of SGLang's reply the trainer reads (SGLang returns
         every server argument, sglang/srt/entrypoints/http_server.py ``server_info``)."""
         return web.json_response({"model_path": self.gen.model_dir, "tp_size": 1, "pp_size": 1,
-                                  "dp_size": 1, "device": "cpu",
+                                  "dp_size": 1, "device": DEVICE,
                                   "enable_deterministic_inference": self.deterministic,
                                   "version": "embedded", "weight_version": self.weight_version})
 
@@ -339,12 +340,17 @@ class RolloutServer:
         if missing:
             raise RequestError(f"init_weights_update_group: missing field(s) {missing}")
         name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend") or "gloo"
+        if backend == "nccl":  # what NCCL itself would refuse, said before the rendezvous
+            raise RequestError(f"backend 'nccl': this server computes on {DEVICE} (its "
+                               "/server_info device) and NCCL moves CUDA tensors only; the "
+                               "trainer must form the weight-update group with gloo")
         if name in self.groups:
             raise RequestError(f"group_name {name!r} already exists; destroy it first")
         group = await asyncio.to_thread(
             open_update_group, body["master_address"], int(body["master_port"]),
-            int(body["rank_offset"]), int(body["world_size"]), name,
-            body.get("backend") or "gloo", float(body.get("timeout_s", 300)))
+            int(body["rank_offset"]), int(body["world_size"]), name, backend,
+            float(body.get("timeout_s", 300)))
         self.groups[name] = group
         return web.json_response({"success": True, "message": f"joined {name!r} as rank "
                                   f"{group.rank} of {group.world_size}"})

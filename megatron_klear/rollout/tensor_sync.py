@@ -35,7 +35,8 @@ import sys
 import torch
 
 from megatron_klear.rollout.tensor_handles import serialize_bucket, shared_buffer
-from megatron_klear.rollout.weight_sync import Bucket, WeightSync, WeightSyncError
+from megatron_klear.rollout.weight_sync import Bucket, WeightSync, WeightSyncError, \
+    update_backend
 
 __all__ = ["TensorWeightSync", "HANDLES"]
 
@@ -72,15 +73,20 @@ class TensorWeightSync(WeightSync):
                          master_addr="127.0.0.1", min_direct_bytes=sys.maxsize, **kwargs)
 
     def _join(self) -> None:
-        """Source rank: read each member's TP size (one payload entry per engine TP rank)."""
+        """Source rank: read each member's TP size (one payload entry per engine TP rank) and
+        device: the staging buffers live on the GPU (CUDA IPC) when the trainer and every
+        engine compute on CUDA -- ``update_backend`` answers "nccl" exactly then -- else in
+        host shared memory (a CPU engine cannot map a CUDA handle)."""
         infos = self.client.server_info()
-        tps = {}
+        tps, devices = {}, []
         for url in self.members:
             info = infos[url] if isinstance(infos[url], dict) else {}
             if int(info.get("pp_size", 1)) != 1:
                 raise WeightSyncError(f"{url}: the server runs pp_size={info['pp_size']}; weight "
                                       "sync supports servers with pp_size 1 (use --tp-size)")
             tps[url] = int(info.get("tp_size", 1))
+            devices.append(str(info.get("device") or "cuda"))
+        self.backend = update_backend(devices)  # only selects self.device: no group is formed
         self.group = _Handles(tps)
 
     def _leave(self) -> None:
@@ -88,7 +94,8 @@ class TensorWeightSync(WeightSync):
 
     def _pack(self, bucket: Bucket, views: list[torch.Tensor], slot: int) -> list[torch.Tensor]:
         """The bucket's bytes in the shareable staging buffer ``slot`` (always a copy)."""
-        if self._buffers[slot].numel() < bucket.nbytes:
+        if self._buffers[slot].numel() < bucket.nbytes or \
+                self._buffers[slot].device != self.device:
             self._buffers[slot] = shared_buffer(bucket.nbytes, self.device)
         buf = self._buffers[slot]
         (out,) = super()._pack(bucket, views, slot)

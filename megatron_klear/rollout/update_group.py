@@ -28,7 +28,10 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-__all__ = ["UpdateGroup", "open_update_group", "DTYPES", "parse_dtype", "routable_address"]
+from megatron_klear import platform
+
+__all__ = ["UpdateGroup", "open_update_group", "DTYPES", "parse_dtype", "routable_address",
+           "is_local_address"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64, "uint8": torch.uint8, "int64": torch.int64}
@@ -61,6 +64,17 @@ def routable_address(server_url: str) -> str:
         return s.getsockname()[0]
 
 
+def is_local_address(address: str) -> bool:
+    """Whether this node owns ``address`` (a TCP socket can bind it): where a store may run."""
+    try:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((socket.gethostbyname(address) if family == socket.AF_INET else address, 0))
+        return True
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def _own_store():
     """Clear TORCHELASTIC_USE_AGENT_STORE so the rendezvous hosts (rank 0) its own store."""
@@ -89,7 +103,8 @@ class UpdateGroup:
         until then)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        work = self.pg.broadcast([tensor], opts)
+        with platform.host_collective() if self.backend == "gloo" else contextlib.nullcontext():
+            work = self.pg.broadcast([tensor], opts)
         if async_op:
             return work
         work.wait()

@@ -31,11 +31,16 @@ server i joins as ``rank_offset_i + tp_rank``; its TP size is read from ``GET /s
 so ``rank_offset_i = 1 + sum(tp_j, j < i)`` and ``world_size = 1 + sum(tp)``. The trainer is
 rank 0 and hosts the store (update_group.py), at ``master_addr``: by default this host's
 address on the route to the first server (routable when the servers run on other nodes).
+The group's backend follows the servers' ``device`` in ``/server_info`` (:func:`update_backend`):
+NCCL between a GPU trainer and GPU servers, gloo as soon as one side computes on the CPU (the
+embedded server), the trainer then staging each bucket in host memory.
 
 PP design: each stage's source rank (TP rank 0, DP rank 0) hosts its OWN weight-update group
 (``{group_name}_pp{stage}`` when PP > 1). Each SGLang server handles weight requests one at a
 time in arrival order, so stages that sent concurrently could reach two servers in opposite
-orders and deadlock; stages therefore form their groups and send one after another.
+orders and deadlock; stages therefore form their groups and send one after another. The
+stages' source ranks may sit on different nodes, so each hosts its store at an address of its
+own node (:func:`stage_master_addr`: ``--weight-sync-master-addr`` where this node owns it).
 
 Correctness probe: :meth:`WeightSync.probe` asks every server for the logprobs of a fixed
 sequence and returns the max |server - trainer| (log it as ``weight_sync/probe_max_abs_diff``).
@@ -59,13 +64,13 @@ import torch.distributed as dist
 from megatron_klear import platform
 from megatron_klear.rollout.client import RolloutClient, RolloutError
 from megatron_klear.rollout.launcher import free_port
-from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, open_update_group,
-                                                 routable_address)
+from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, is_local_address,
+                                                 open_update_group, routable_address)
 
 __all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "aligned_order", "plan_bucket",
            "adjacent_runs", "MIN_DIRECT_BYTES",
            "Bucket", "TensorSpec", "rank_layout", "lowest_cpu_priority",
-           "trainer_sequence_logprobs", "PROBE_METRIC"]
+           "trainer_sequence_logprobs", "PROBE_METRIC", "update_backend", "stage_master_addr"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
 
@@ -178,12 +183,22 @@ def trainer_sequence_logprobs(model: torch.nn.Module | list[torch.nn.Module], ar
     """
     from megatron_klear.checkpoint.convert import megatron_logits
 
-    ids = torch.tensor([input_ids], dtype=torch.long)
+    ids = torch.tensor([input_ids], dtype=torch.long, device=platform.device())
     logits = megatron_logits(model, arch, ids)
     if logits is None:
         return None
     logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     return logp.gather(1, ids[0, 1:, None])[:, 0]
+
+
+def update_backend(server_devices: list[str]) -> str:
+    """The weight-update group's backend: NCCL only when the trainer and every server compute
+    on CUDA (NCCL moves CUDA tensors only, so a CPU server -- the embedded one -- cannot
+    receive over it), else gloo, whose broadcasts the trainer stages through host memory.
+    ``server_devices``: each server's ``device`` in ``/server_info`` (SGLang reports its
+    resolved ``--device`` there; an older server without the field runs on CUDA)."""
+    on_cuda = platform.device().type == "cuda" and all(d == "cuda" for d in server_devices)
+    return "nccl" if on_cuda else "gloo"
 
 
 def _parallel_ranks() -> tuple[int, int, int, bool, bool]:
@@ -220,18 +235,17 @@ class WeightSync:
         self.min_direct_bytes = min_direct_bytes  # see MIN_DIRECT_BYTES
         self.stage, self.pp, self.rank, self.replica0, self.is_source = _parallel_ranks()
         self.group_name = group_name if self.pp == 1 else f"{group_name}_pp{self.stage}"
-        self.master_addr = master_addr or routable_address(self.urls[0])
+        self.master_addr = stage_master_addr(master_addr, self.urls[0], self.pp)
         self.master_port = master_port if master_port is None else master_port + self.stage
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.requested_backend = backend  # None: update_backend() of the servers' devices
+        self.backend = backend or "gloo"  # set by _join once the servers are known
         self.pause_mode, self.timeout_s, self.load_format = pause_mode, timeout_s, load_format
         # flushing waits for an idle server: only right when nothing stays in flight (an
         # in_place/retract pause keeps its requests; an aborted one comes back as a retry)
         self.flush_cache = flush_cache
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if self.backend == "nccl" else torch.device("cpu")
         self.group: UpdateGroup | None = None
         self._client: RolloutClient | None = None
-        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
+        self._buffers = [torch.empty(0, dtype=torch.uint8)] * 2
         self._http = concurrent.futures.ThreadPoolExecutor(1)  # init requests
         # packs bucket k+1 while bucket k is on the wire, at the lowest priority
         self._packer = concurrent.futures.ThreadPoolExecutor(1, initializer=lowest_cpu_priority)
@@ -253,6 +267,11 @@ class WeightSync:
         if self._client is None or self._client.urls != urls:
             self._client = RolloutClient(urls, request_timeout_s=self.timeout_s, max_retries=0)
         return self._client
+
+    @property
+    def device(self) -> torch.device:
+        """Where the broadcast tensors live: the GPU for NCCL, host memory for gloo."""
+        return platform.device() if self.backend == "nccl" else torch.device("cpu")
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -317,13 +336,21 @@ class WeightSync:
         """Source rank: host this stage's group; every member joins with its TP ranks."""
         self._destroy_on_servers(self.members)  # left by an earlier run against these servers
         infos = self.client.server_info()
-        tps = []
+        tps, devices = [], []
         for url in self.members:
             info = infos[url] if isinstance(infos[url], dict) else {}
             if int(info.get("pp_size", 1)) != 1:
                 raise WeightSyncError(f"{url}: the server runs pp_size={info['pp_size']}; weight "
                                       "sync supports servers with pp_size 1 (use --tp-size)")
+            if int(info.get("dp_size", 1)) != 1:  # SGLang asserts it too, less clearly
+                raise WeightSyncError(
+                    f"{url}: the server runs dp_size={info['dp_size']}; SGLang updates weights "
+                    "from distributed only without data-parallel replicas "
+                    "(tokenizer_control_mixin.py); start one server per replica and list "
+                    "each in --rollout-urls")
             tps.append(int(info.get("tp_size", 1)))
+            devices.append(str(info.get("device") or "cuda"))
+        self.backend = self.requested_backend or update_backend(devices)
         port = self.master_port or free_port(self.master_addr)
         offsets, world = rank_layout(tps)
         payloads = {url: {"master_address": self.master_addr, "master_port": port,
@@ -557,7 +584,8 @@ class WeightSync:
         only = views[0]
         if len(views) == 1 and only.is_contiguous() and only.dtype == bucket.specs[0].dtype:
             return [only.reshape(-1).view(torch.uint8)]  # its own bytes are the bucket
-        if self._buffers[slot].numel() < bucket.nbytes:  # grow-only: pages stay mapped
+        if self._buffers[slot].numel() < bucket.nbytes or \
+                self._buffers[slot].device != self.device:  # grow-only: pages stay mapped
             self._buffers[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8,
                                               device=self.device)
         buf = self._buffers[slot]
@@ -597,7 +625,7 @@ class WeightSync:
         Not collective: call it where ``trainer_logprobs`` live (the last PP stage), e.g.
         with :func:`trainer_sequence_logprobs`.
         """
-        ref = trainer_logprobs.detach().double().flatten()
+        ref = trainer_logprobs.detach().double().flatten().cpu()
         diffs = []
         for lps in self.client.prompt_logprobs(list(input_ids)):
             got = torch.tensor(lps, dtype=torch.float64)
@@ -634,6 +662,21 @@ def _flat_range(views: list[torch.Tensor], bucket: Bucket) -> torch.Tensor:
             raise AssertionError(f"{spec.name}: at byte {view.data_ptr() - flat.data_ptr()} "
                                  f"of its run, planned at {spec.offset}")
     return flat
+
+
+def stage_master_addr(master_addr: str | None, server_url: str, pp: int) -> str:
+    """Where this stage's source rank hosts its update group's store: ``master_addr``
+    (``--weight-sync-master-addr``) when this node can bind it, else this node's address on
+    the route to the first server. With PP > 1 each stage hosts its own group, and the
+    stages' source ranks may sit on different nodes: one address cannot serve them all."""
+    if master_addr is None:
+        return routable_address(server_url)
+    if pp > 1 and not is_local_address(master_addr):
+        mine = routable_address(server_url)
+        log.info("--weight-sync-master-addr %s is not on this node: this pipeline stage hosts "
+                 "its weight-update group at %s", master_addr, mine)
+        return mine
+    return master_addr
 
 
 def rank_layout(tp_sizes: list[int]) -> tuple[list[int], int]:

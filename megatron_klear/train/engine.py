@@ -134,8 +134,8 @@ class Engine:
                              f"least --pipeline-model-parallel-size {pp} micro-batches per "
                              f"step, got {len(microbatches)}; raise the batch size or drop "
                              "interleaving")
+        # the whole length: megatron divides it by CP (and TP under SP) for the stages' sends
         b, s = schedule_shape(microbatches, self.transformer_config)
-        s //= cp
         # interleaving: every model chunk reads the micro-batches through its own iterator
         data = [iter(microbatches) for _ in self.model] if len(self.model) > 1 \
             else iter(microbatches)
@@ -327,7 +327,10 @@ def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
         params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         optimizer_cpu_offload=cfg.optimizer_cpu_offload,
-        optimizer_offload_fraction=1.0 if cfg.optimizer_cpu_offload else 0.0)
+        optimizer_offload_fraction=1.0 if cfg.optimizer_cpu_offload else 0.0,
+        # Megatron-LM requires it with offload: without it the fp32 master weights stay on
+        # the GPU and the offloaded copies are never refreshed from loaded weights
+        use_precision_aware_optimizer=cfg.optimizer_cpu_offload)
     optimizer = get_megatron_optimizer(opt_cfg, model)
     if cfg.use_distributed_optimizer:
         init_adam_state(optimizer)

@@ -356,9 +356,9 @@ def flags_to_fit(arch, cfg: TrainConfig, world_size: int, workload: Workload | N
         fitting = []
         for combo in itertools.combinations(usable, k):
             changes = {key: v for _, ch in combo for key, v in ch.items()}
-            if changes.get("optimizer_cpu_offload") and not (
-                    cfg.use_distributed_optimizer or changes.get("use_distributed_optimizer")):
-                continue
+            if changes.get("optimizer_cpu_offload") and not (cfg.bf16 and (
+                    cfg.use_distributed_optimizer or changes.get("use_distributed_optimizer"))):
+                continue  # offload needs the distributed optimizer and --bf16 (config.py)
             plan = plan_memory(arch, replace(cfg, **changes), world_size, workload)
             if plan.fits(limit):
                 fitting.append((plan.total, [f for f, _ in combo]))

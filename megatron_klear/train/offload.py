@@ -100,7 +100,8 @@ class TrainerOffload:
             raise RuntimeError(f"offload({group!r}): expected one of {GROUPS} still on the "
                                f"device (offloaded now: {sorted(self._host)})")
         start = time.perf_counter()
-        pin = platform.cuda_available()  # pinned host memory needs a CUDA driver
+        pin = torch.cuda.is_available()  # pinned host memory needs a CUDA driver (or the
+        # strict virtual-CUDA mode's emulation, platform.py)
         for g in groups:
             host = []
             for storage in self.storages[g]:

@@ -27,6 +27,7 @@ from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_lo
 from megatron_klear.ops.backend import loss_backend
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.colocate import Colocation
+from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED, sequence_multiple
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
 from megatron_klear.train.memory import Workload
@@ -183,6 +184,10 @@ class RLConfig(TrainConfig):
             if not self.pack_sequences:
                 raise ConfigError("--max-tokens-per-gpu packs sequences; drop "
                                   "--no-pack-sequences")
+        if self.context_parallel_size > 1 and self.pack_sequences:
+            raise ConfigError(f"--context-parallel-size {self.context_parallel_size}: "
+                              f"{THD_CP_UNSUPPORTED}; add --no-pack-sequences (padded "
+                              "micro-batches) or drop context parallelism")
         if self.share_prompts and (not self.pack_sequences
                                    or self.transformer_impl != "local"):
             raise ConfigError("--share-prompts needs THD packs in the local spec (Transformer "
@@ -322,6 +327,9 @@ def rollout_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfi
         return pack_microbatches(batch, [r for u in mine for r in u], cfg, pad_id)
     mine = dp_rows(rows, row_lengths(batch, rows))
     seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
+    multiple = sequence_multiple(cfg.context_parallel_size, cfg.tensor_model_parallel_size,
+                                 cfg.sequence_parallel)  # CP chunks, SP's split over TP
+    seq_len = -(-seq_len // multiple) * multiple
     return pad_microbatches(batch, mine, cfg.micro_batch_size, pad_id, seq_len)
 
 

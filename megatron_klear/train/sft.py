@@ -21,6 +21,7 @@ from megatron_klear.data.packing import build_packed_batch, pack_bins
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops.backend import loss_backend
+from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import build_engine, restore_or_init
 from megatron_klear.train.memory import Workload
 from megatron_klear.train.metrics import MetricsLogger
@@ -49,6 +50,11 @@ class SFTConfig(TrainConfig):
             raise ConfigError("--data-path is required (JSONL or Parquet SFT data)")
         if not self.hf_checkpoint:
             raise ConfigError("--hf-checkpoint is required (architecture and tokenizer)")
+        if self.context_parallel_size > 1:
+            raise ConfigError(f"--context-parallel-size {self.context_parallel_size}: SFT feeds "
+                              f"THD packs (--no-pack too: one sample per pack), and "
+                              f"{THD_CP_UNSUPPORTED}; use tensor/pipeline parallelism "
+                              "(with --sequence-parallel) for long samples")
         if self.max_tokens_per_gpu is not None:
             if self.max_tokens_per_gpu < self.seq_length:
                 raise ConfigError(f"--max-tokens-per-gpu {self.max_tokens_per_gpu} must be >= "

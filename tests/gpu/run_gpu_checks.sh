@@ -9,8 +9,15 @@
 #   4. tests/gpu/kernel_bandwidth.py: rows beyond 2^31 / 2^32 elements vs fp64 at T=32768,
 #      V/TP=151,936 bf16, then achieved bandwidth per kernel vs the HBM peak and a measured copy;
 #      fails if fwd+bwd is below 85% of the HBM peak on H100/H200 (threshold in that file).
-#   5. with 2+ GPUs, tests/gpu/smoke_2gpu.py (issue 13's GPU path, needs megatron-core and TE).
-#   6. tests/gpu/colocate_smoke.py (issue 31: trainer offload on the GPU, bitwise; with SGLang
+#   5. issue 30's GPU path on one GPU: tests/test_gpu_path.py (the strict virtual-CUDA launch runs
+#      on the real device here: weight-sync probe and compare_logits on device ids, weight sync
+#      from the GPU trainer to the embedded CPU server over gloo, packed and shared-prompt RL
+#      steps, the CUDA loss kernels' dispatch, --optimizer-cpu-offload keeping loaded weights,
+#      the converters' model on meta);
+#   6. with 2+ GPUs, tests/gpu/smoke_2gpu.py (issue 13's GPU path, needs megatron-core and TE;
+#      issue 30: a padded TP2+SP RL step of an odd length, and an HF checkpoint converted by
+#      tools/convert_hf_to_megatron.py loaded into the TE model).
+#   7. tests/gpu/colocate_smoke.py (issue 31: trainer offload on the GPU, bitwise; with SGLang
 #      and torch_memory_saver installed, release/resume and klear-rl --colocate over CUDA IPC).
 # Everything is written to the log (default: gpu_checks.log in the repository root; pass a path
 # as $1). Copy the log into docs/policy_loss.md. Exits non-zero at the first failing step.
@@ -43,6 +50,9 @@ python3 -m pytest -q --timeout 900 tests/test_policy_loss_op.py tests/test_cuda_
 
 step "kernel bandwidth and rows beyond 2^31 elements (T=32768, V/TP=151936 bf16)"
 python3 tests/gpu/kernel_bandwidth.py --tokens 32768 --vocab 151936 --repeats 10
+
+step "issue 30: the GPU path's calls on one GPU (tests/test_gpu_path.py)"
+python3 -m pytest -q --timeout 900 tests/test_gpu_path.py
 
 step "2-GPU smoke test of the GPU path: TE spec, TP2+SP, recompute, distributed optimizer"
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
