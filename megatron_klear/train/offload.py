@@ -68,17 +68,19 @@ class TrainerOffload:
     a sync reads) and ``state`` (gradients, main parameters, optimizer state)."""
 
     def __init__(self, model_chunks: list[torch.nn.Module], optimizer) -> None:
-        on_device = platform.device().type
+        self.device = platform.device()
         params = {p.untyped_storage()._cdata for c in model_chunks for p in c.parameters()}
         seen: set[int] = set()
         self.storages: dict[str, list[torch.UntypedStorage]] = {g: [] for g in GROUPS}
+        self._views: dict[int, torch.Tensor] = {}  # per storage: a tensor viewing it
         for t in trainer_tensors(model_chunks, optimizer):
             storage = t.untyped_storage()
             key = storage._cdata  # the StorageImpl: one per storage, whatever views it
-            if key in seen or storage.nbytes() == 0 or t.device.type != on_device:
+            if key in seen or storage.nbytes() == 0 or t.device.type != self.device.type:
                 continue
             seen.add(key)
             self.storages["params" if key in params else "state"].append(storage)
+            self._views[key] = t.detach()
         self._host: dict[str, list[torch.Tensor]] = {}  # per offloaded group
 
     @property
@@ -106,7 +108,7 @@ class TrainerOffload:
             host = []
             for storage in self.storages[g]:
                 h = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                h.copy_(_bytes(storage))
+                h.copy_(self._bytes(storage))
                 host.append(h)
             for storage in self.storages[g]:
                 storage.resize_(0)
@@ -123,11 +125,15 @@ class TrainerOffload:
         for g, host in self._host.items():
             for storage, h in zip(self.storages[g], host):
                 storage.resize_(h.numel())
-                _bytes(storage).copy_(h)
+                self._bytes(storage).copy_(h)
         self._host = {}
         return time.perf_counter() - start
 
-
-def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over the whole of ``storage``."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    def _bytes(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """A uint8 tensor over the whole of ``storage``, made from a tensor that views it (a
+        view of a device tensor is one on every platform; ``Tensor.set_`` from a new empty
+        tensor would lose the device in the strict virtual-CUDA mode, which tags storages by
+        the ops that make them)."""
+        t = self._views[storage._cdata]
+        first = torch.as_strided(t, (1,), (1,), 0).view(torch.uint8)  # byte 0 of the storage
+        return torch.as_strided(first, (storage.nbytes(),), (1,), 0)
