@@ -116,7 +116,9 @@ def _separate_then_colocated(rank: int, world: int, argv: list[str], root: str) 
     keys = ("train/loss", "grad_norm", "rollout/reward_mean",
             "weight_sync/probe_logprob_mean", "weight_sync/bytes")
     out = {}
-    for mode, extra in (("separate", []), ("colocated", ["--colocate"])):
+    # --sglang-tp-size 2: one embedded server for the two ranks, as the separate run has
+    colocated = ["--colocate", "--sglang-tp-size", "2"]
+    for mode, extra in (("separate", []), ("colocated", colocated)):
         hist = train(parse_config(RLConfig, argv + extra + ["--save", f"{root}/{mode}"]))
         out[mode] = [{k: m.get(k) for k in keys} for m in hist]
         out[mode + "_all"] = [{k: v for k, v in m.items() if isinstance(v, float)}

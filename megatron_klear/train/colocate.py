@@ -52,9 +52,9 @@ class Colocation:
             self.client.post_all(path, {"tags": tags})
         dist.barrier()
 
-    def start(self) -> None:
-        """Before the first sync: the engines release everything (KV cache, then weights), so
-        that the sync resumes their weights and KV cache as every later one does. Releasing
+    def release_engines(self) -> None:
+        """The engines release KV cache, then weights. Called before the first sync too, so
+        that it resumes their weights and KV cache as every later one does. Releasing
         is idempotent on the embedded server; an engine a launch script released already
         (run_rl_colocate.sh does, so that the trainer's model fits while it is built) gets
         the same request again (SGLang: not run on a GPU)."""
@@ -65,12 +65,11 @@ class Colocation:
     def before_train(self) -> dict[str, float]:
         """Steps 2-3: engines release KV cache then weights; the trainer comes back."""
         t0 = time.perf_counter()
-        for tag in RELEASE_ORDER:
-            self._engines("/release_memory_occupation", [tag])
-            self.released.append(tag)
+        self.release_engines()
         t1 = time.perf_counter()
         self.offload.onload()
-        return {"time/engine_release_s": t1 - t0, "time/trainer_onload_s": time.perf_counter() - t1}
+        return {"time/engine_release_s": t1 - t0,
+                "time/trainer_onload_s": time.perf_counter() - t1}
 
     def sync_and_probe(self, sync, version: str, probe: bool) -> dict[str, float]:
         """Steps 4 (probe log-probs) to 8 after a training step (or at the start of the run,

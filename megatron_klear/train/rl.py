@@ -517,7 +517,7 @@ def train(cfg: RLConfig) -> list[dict]:
             colo = None
         sync.connect()
         if colo is not None:  # servers start from the trainer's weights; the trainer leaves
-            colo.start()
+            colo.release_engines()
             colo.sync_and_probe(sync, str(step), probe=False)
         else:
             sync.sync(weight_version=str(step))  # servers start from the trainer's weights
