@@ -15,10 +15,13 @@ Prints the ratios (target >= 0.90 for the default format with the distributed op
 ``--model moe``: a Qwen3-MoE of the same bytes (bench_convert.MOE_SAME_BYTES: 16 experts x
 192 per layer); ``--width``: the layers of a wider Qwen3 (longer runs per layer);
 ``--skip-pack``: a diagnostic that leaves the pack's copies out of the timed syncs (what a
-free pack would give). Usage:
+free pack would give). ``--handles`` (colocated mode, issue 31): instead, the
+tensor-handle sync (TensorWeightSync: every bucket packed into shared memory, the server
+maps it and copies it in) against the broadcast sync (WeightSync, flattened buckets), same
+model, bytes and server, in (broadcast, handles) pairs. Usage:
   python benchmarks/bench_weight_sync.py [--bucket-mb 512] [--repeats 3] [--num-layers 28]
                                          [--model dense|moe] [--width 0.6b|1.7b|4b]
-                                         [--min-direct-mb MIB] [--skip-pack]
+                                         [--min-direct-mb MIB] [--skip-pack] [--handles]
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def _parse_args() -> argparse.Namespace:
                    help="diagnostic: after the warm-up syncs, packed buckets are sent from "
                         "their buffers without copying the views in (the servers receive the "
                         "warm-up's bytes): bounds what any cheaper pack could gain")
+    p.add_argument("--handles", action="store_true",
+                   help="colocated mode: the tensor-handle sync against the broadcast sync")
     return p.parse_args()
 
 
@@ -216,12 +221,52 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[tuple[str, str], dict
     return runs
 
 
+def run_handles(model_dir: Path, args: argparse.Namespace) -> list[tuple[float, float]]:
+    """--handles: (broadcast GB/s, handles GB/s) pairs, back to back, after the warm-up
+    syncs of each; the recipes' layout (distributed optimizer), the default bucket plan."""
+    from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
+    from megatron_klear.rollout.tensor_sync import TensorWeightSync
+    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.train.engine import initialize_parallel
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    initialize_parallel(tp=1, pp=1)
+    with launch_embedded_servers(model_dir, 1, dtype="bfloat16", load_format="dummy",
+                                 startup_timeout_s=600) as servers:
+        model, arch = _build(model_dir, True)
+        syncs = [WeightSync(servers.urls, model, arch, bucket_bytes=args.bucket_mb * 2**20),
+                 TensorWeightSync(servers.urls, model, arch, bucket_bytes=args.bucket_mb * 2**20)]
+        for sync in syncs:
+            sync.connect()
+            for i in range(WARMUP_SYNCS):
+                sync.sync(f"warmup{i}")
+        pairs = [tuple(_timed_sync(sync, f"v{i}")[0] for sync in syncs)
+                 for i in range(args.repeats)]
+        for sync in syncs:
+            sync.close()
+    return pairs
+
+
 def main() -> None:
     args = _parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _write_model_dir(Path(tmp), args.num_layers, args.model, args.width)
         nbytes = _hf_bytes(model_dir)
+        if args.handles:
+            pairs = run_handles(model_dir, args)
+            ratios = sorted(h / b for b, h in pairs)
+            print(f"model: Qwen3-{args.width.upper()} layer width, {args.num_layers} layers, bf16,"
+                  f" {nbytes / 1e9:.3f} GB; bucket {args.bucket_mb} MiB; {args.repeats} "
+                  f"(broadcast, handles) pairs after {WARMUP_SYNCS} warm-up syncs; load average "
+                  f"{os.getloadavg()[0]:.1f}\nbroadcast (WeightSync, flattened): best "
+                  f"{max(b for b, _ in pairs):.3f} GB/s, median "
+                  f"{sorted(b for b, _ in pairs)[len(pairs) // 2]:.3f}; handles "
+                  f"(TensorWeightSync): best {max(h for _, h in pairs):.3f} GB/s, median "
+                  f"{sorted(h for _, h in pairs)[len(pairs) // 2]:.3f}; handles / broadcast "
+                  f"per pair: median {ratios[len(ratios) // 2]:.2f}, range "
+                  f"{ratios[0]:.2f}-{ratios[-1]:.2f}")
+            return
         runs = run(model_dir, args)
     shape = "Qwen3-MoE (16 experts x 192 per layer) of Qwen3-0.6B's bytes" \
         if args.model == "moe" else f"Qwen3-{args.width.upper()} layer width"

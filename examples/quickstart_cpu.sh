@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The CPU quickstart: sets up .venv, then tiny Qwen3 -> SFT -> eval -> GPPO RL (TP=2, gloo)
 # -> eval, and prints the accuracy gain and the dashboard path. ~5 minutes on 2 cores.
-#   bash examples/quickstart_cpu.sh [--out runs/quickstart] [--dry-run] [--sglang]
+#   bash examples/quickstart_cpu.sh [--out runs/quickstart] [--dry-run] [--sglang] [--colocate]
 # --sglang: RL rolls out on a real SGLang 0.5.23 server (.venv-sglang, set up here) instead of
-# the embedded server; see README.md for how long each variant takes.
+# the embedded server; --colocate: RL in colocated mode (klear-rl --colocate); see README.md
+# for how long each variant takes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [[ " $* " == *" --dry-run "* && -x .venv/bin/python ]] || bash tools/setup_env.sh

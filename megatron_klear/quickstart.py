@@ -4,6 +4,9 @@
 
 ``--sglang``: RL rolls out on a real SGLang 0.5.23 server (from .venv-sglang, built by
 tools/setup_sglang_cpu.sh) instead of the embedded server.
+``--colocate``: RL runs colocated (``klear-rl --colocate``): the embedded server releases its
+memory while the trainer trains, the trainer is offloaded while it rolls out, and weights go
+over as tensor handles.
 
 Everything is built locally (model, tokenizer, data); each stage runs the real CLI
 (torchrun klear-sft / klear-rl, klear-eval) as a separate process.
@@ -68,12 +71,13 @@ def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> l
     ``start`` is the SFT model that RL begins from (default ``out/sft_hf``) and the prompts
     are read from beside it, so several RL runs can share one SFT stage."""
     start = start or out / "sft_hf"
+    colocate = ["--colocate"] if getattr(args, "colocate", False) else []
     return ["--hf-checkpoint", str(start), "--prompt-data", str(start.parent / "data" / "rl.jsonl"),
             "--tensor-model-parallel-size", "2", "--reward", "math",
             "--rollout-batch-size", "32", "--mini-batch-size", "16", "--n-samples-per-prompt", "8",
             "--micro-batch-size", "32", "--rollout-max-response-len", "48", "--share-prompts",
             "--lr", str(args.rl_lr), "--train-iters", str(args.rl_iters), "--seed", str(args.seed),
-            "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"]
+            "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"] + colocate
 
 
 @contextlib.contextmanager
@@ -114,6 +118,8 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true", help="validate both trainer configs, then stop")
     p.add_argument("--sglang", action="store_true",
                    help="roll out on a real SGLang server (.venv-sglang), not the embedded one")
+    p.add_argument("--colocate", action="store_true",
+                   help="colocated RL: trainer and rollout server take turns (klear-rl --colocate)")
     args = p.parse_args()
     out = Path(args.out)
     if args.dry_run:
@@ -142,7 +148,8 @@ def main() -> None:
     summary = {"accuracy_before_rl": before, "accuracy_after_rl": after, "gain": after - before,
                "eval": f"avg@{args.eval_k} at temperature 1.0 on {data['eval']}",
                "dashboard": str(png), "seconds": round(time.time() - t0, 1),
-               "rollout": "sglang" if args.sglang else "embedded"}
+               "rollout": "sglang" if args.sglang else "embedded",
+               "colocate": args.colocate}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\naccuracy (avg@{args.eval_k}, T=1.0): before RL {before:.3f} -> after RL {after:.3f} "
           f"(gain {after - before:+.3f})\ndashboard: {png}\nsummary: {out / 'summary.json'} "

@@ -333,16 +333,28 @@ class RolloutClient:
         return asyncio.run_coroutine_threadsafe(self._all("POST", path, payload),
                                                 self._kept.loop)
 
+    def post_each_nowait(self, path: str, payloads: dict[str, dict]
+                         ) -> concurrent.futures.Future:
+        """:meth:`post_all_nowait` with one payload per server (``payloads[url]``), e.g. a
+        tensor-handle update, whose handles each serve one receiver."""
+        if self._kept is None:
+            raise RuntimeError("post_each_nowait runs on the keep_alive() loop: call it inside "
+                               "`with client.keep_alive():`")
+        return asyncio.run_coroutine_threadsafe(self._all("POST", path, None, payloads=payloads),
+                                                self._kept.loop)
+
     def get_all(self, path: str) -> dict[str, Any]:
         """GET ``path`` on every server concurrently: {url: reply}."""
         return self._run_sync(self._all("GET", path, None))
 
     async def _all(self, method: str, path: str, payload: dict | None,
-                   return_errors: bool = False) -> dict[str, Any]:
+                   return_errors: bool = False, payloads: dict[str, dict] | None = None
+                   ) -> dict[str, Any]:
         async with self._session() as session:
             async def one(url: str) -> Any:
+                body = payloads[url] if payloads is not None else payload
                 try:
-                    return await self._request(session, method, url + path, payload)
+                    return await self._request(session, method, url + path, body)
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                     raise RolloutError(f"{method} {url}{path} failed: "
                                        f"{type(exc).__name__}: {exc}") from exc

@@ -98,6 +98,7 @@ class Generator:
         self.moe_layers = self._hook_routers()
         self.params = dict(self.model.named_parameters()) | expert_views(self.model)
         self._recv_pool: dict[str, list[list]] = {}  # flat buckets (receiving)
+        self._released: dict[str, torch.Size] | None = None  # shapes while weights are released
 
     def _hook_routers(self) -> list[int]:
         """Record each sparse layer's top-k expert ids (transformers' Qwen3MoeTopKRouter
@@ -315,6 +316,46 @@ class Generator:
                             self.params[name].copy_(t)
         if errors:
             raise ValueError(errors[0])
+
+    def load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(name, tensor)`` into the parameters (a tensor update passed by handle: the
+        sender's memory is reused for its next bucket, so nothing may stay a view of it, as
+        SGLang's ``model.load_weights`` copies). ValueError names the first unknown name or
+        wrong shape, before anything is loaded."""
+        errors = [e for e in (self._check_spec(n, tuple(t.shape)) for n, t in named) if e]
+        if errors:
+            raise ValueError(errors[0])
+        with self.lock:
+            for name, tensor in named:
+                self.params[name].copy_(tensor)
+
+    @property
+    def weights_released(self) -> bool:
+        """True between :meth:`release_weights` and :meth:`resume_weights`."""
+        return self._released is not None
+
+    def release_weights(self) -> int:
+        """Free every parameter's memory (SGLang's ``release_memory_occupation`` with tag
+        ``weights``, which unmaps it through torch_memory_saver); the bytes freed."""
+        with self.lock:
+            named = dict(self.model.named_parameters())
+            self._released = {n: p.shape for n, p in named.items()}
+            freed = sum(p.numel() * p.element_size() for p in named.values())
+            for p in named.values():
+                p.data = torch.empty(0, dtype=p.dtype)
+            self.params, self._recv_pool = {}, {}
+        return freed
+
+    def resume_weights(self) -> None:
+        """Allocate the parameters again. Their values are undefined until the next weight
+        update, as SGLang's after a resume without ``--enable-weights-cpu-backup``
+        (torch_memory_saver maps fresh pages); here they are NaN, so a rollout or probe
+        served before the update shows it instead of passing by chance."""
+        with self.lock:
+            for name, p in self.model.named_parameters():
+                p.data = torch.full(self._released[name], float("nan"), dtype=p.dtype)
+            self._released = None
+            self.params = dict(self.model.named_parameters()) | expert_views(self.model)
 
     def _check_spec(self, name: str, shape: tuple) -> str | None:
         param = self.params.get(name)

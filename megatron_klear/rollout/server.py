@@ -18,6 +18,15 @@ and a real torch.distributed group:
   bytes back to back in request order, received into a reused buffer),
   ``/end_weight_update``, ``/destroy_weights_update_group``. Updates outside begin/end are
   refused (sglang >= 0.5.19 rule).
+  ``/update_weights_from_tensor`` (SGLang's ``serialized_named_tensors``: tensors passed by
+  torch multiprocessing handle, ``load_format`` null or ``"flattened_bucket"``; colocated
+  mode, tensor_handles.py) is copied into the parameters.
+* colocation: ``/release_memory_occupation`` and ``/resume_memory_occupation`` with SGLang's
+  ``tags`` (``kv_cache``, ``weights``, ``cuda_graph``; none: all). Releasing ``weights``
+  frees the parameters; resumed, they hold NaN until the next update (SGLang's hold
+  whatever torch_memory_saver maps). There is no KV cache between batches here, so
+  ``kv_cache`` only marks the server unable to generate; ``cuda_graph`` is accepted and
+  has nothing to free on a CPU. While a tag is released, /generate is refused (400).
 
 Bad requests get HTTP 400 with ``{"error": {"message": ...}}`` naming the field.
 Run: ``python -m megatron_klear.rollout.server --model DIR --port P``.
@@ -30,6 +39,7 @@ import asyncio
 import json
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
@@ -43,12 +53,16 @@ from megatron_klear.orphans import exit_when_orphaned
 from megatron_klear.rollout.client import encode_routed_experts
 from megatron_klear.rollout.generator import Generator, Sequence
 from megatron_klear.rollout.sampling import RequestError, SamplingConfig
+from megatron_klear.rollout.tensor_handles import bucket_tensors, deserialize
 from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, parse_dtype
 
 __all__ = ["RolloutServer", "build_app", "main"]
 
 log = logging.getLogger("megatron_klear.rollout.server")
 DEVICE = "cpu"  # where the model computes (/server_info "device", as SGLang reports its own)
+
+# SGLang's memory tags (sglang/srt/constants.py, GPU_MEMORY_ALL_TYPES), in its order
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -98,6 +112,7 @@ class RolloutServer:
         self.groups: dict[str, UpdateGroup] = {}
         self.in_weight_update = False
         self.update_lock = asyncio.Lock()
+        self.released: set[str] = set()  # memory tags released (colocated mode)
 
     # ------------------------------------------------------------------ scheduler
     async def scheduler(self) -> None:
@@ -165,6 +180,9 @@ class RolloutServer:
         """
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded server")
+        if self.released & {"kv_cache", "weights"}:
+            raise RequestError(f"memory released (tags {sorted(self.released)}): POST "
+                               "/resume_memory_occupation before generating")
         prompts, batched = self._prompts(body)
         cfgs = self._sampling_configs(body.get("sampling_params"), len(prompts), batched)
         start = body.get("logprob_start_len", -1)
@@ -392,6 +410,7 @@ class RolloutServer:
             raise RequestError(f"load_format={fmt!r}: expected null or 'flattened_bucket'")
         if fmt == "flattened_bucket":
             _check_aligned(specs)
+        self._check_weights_resident()
         async with self.update_lock:
             try:
                 with self.gen.receiving(specs, fmt == "flattened_bucket") as tensors:
@@ -403,6 +422,79 @@ class RolloutServer:
         return web.json_response({"success": True, "message": "Succeeded to update parameter "
                                   f"online ({len(specs)} tensors)."})
 
+    def _check_weights_resident(self) -> None:
+        if "weights" in self.released:
+            raise RequestError("the weights are released: POST /resume_memory_occupation "
+                               '{"tags": ["weights"]} before updating them')
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """POST /update_weights_from_tensor: SGLang's ``UpdateWeightsFromTensorReqInput``
+        (sglang/srt/managers/io_struct.py). ``serialized_named_tensors`` has one base64
+        ``MultiprocessingSerializer`` entry per TP rank (this server is rank 0 and reads
+        entry 0): a ``flattened_bucket`` dict or a list of (name, tensor). The tensors are
+        mapped from the sender's memory by handle and copied into the parameters. Outside a
+        begin/end session it is refused with SGLang's message
+        (sglang/srt/managers/scheduler_components/weight_updater.py)."""
+        body = await _json_body(request)
+        entries, fmt = body.get("serialized_named_tensors"), body.get("load_format")
+        if not (isinstance(entries, list) and entries and all(isinstance(e, str)
+                                                              for e in entries)):
+            raise RequestError("serialized_named_tensors must be a non-empty list of base64 "
+                               "strings, one per TP rank")
+        if fmt not in (None, "flattened_bucket"):
+            raise RequestError(f"load_format={fmt!r}: expected null or 'flattened_bucket'")
+        if not self.in_weight_update:
+            return web.json_response({"success": False, "message": "update_weights_from_tensor "
+                                      "must run between begin_weight_update() and "
+                                      "end_weight_update()"}, status=400)
+        self._check_weights_resident()
+        try:
+            obj = deserialize(entries[0])
+            named = bucket_tensors(obj) if fmt == "flattened_bucket" else _named_list(obj)
+            async with self.update_lock:
+                await asyncio.to_thread(self.gen.load_tensors, named)
+        except (ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        message = "Success"
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {self.weight_version}."
+        return web.json_response({"success": True, "message": message})
+
+    def _memory_tags(self, body: dict) -> list[str]:
+        tags = body.get("tags") or list(MEMORY_TAGS)
+        if not (isinstance(tags, list) and set(tags) <= set(MEMORY_TAGS)):
+            raise RequestError(f"tags={tags!r}: expected a list of {list(MEMORY_TAGS)} "
+                               "(SGLang's names) or none for all")
+        return tags
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """POST /release_memory_occupation {tags}: free the tagged memory. Only when idle
+        (a paused server's queued requests do not count), as SGLang asserts; a tag already
+        released is released again (nothing to do)."""
+        tags = self._memory_tags(await _json_body(request))
+        if self.running or (self.pending and self.resumed.is_set()):
+            raise RequestError("release_memory_occupation should be called only when server "
+                               "is idle.")
+        if "weights" in tags and not self.gen.weights_released:
+            async with self.update_lock:
+                await asyncio.to_thread(self.gen.release_weights)
+        self.released.update(tags)
+        return web.json_response(None)  # SGLang's handler returns nothing (JSON null)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        """POST /resume_memory_occupation {tags}: allocate the tagged memory again; a tag
+        that is not released is refused (SGLang's ``offload_tags.remove`` fails on it)."""
+        tags = self._memory_tags(await _json_body(request))
+        missing = [t for t in tags if t not in self.released]
+        if missing:
+            raise RequestError(f"tags {missing} are not released")
+        if "weights" in tags:
+            async with self.update_lock:
+                await asyncio.to_thread(self.gen.resume_weights)
+        self.released.difference_update(tags)
+        return web.json_response(None)
+
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         """POST /destroy_weights_update_group {group_name}."""
         name = (await _json_body(request)).get("group_name", "weight_update_group")
@@ -411,6 +503,15 @@ class RolloutServer:
             raise RequestError(f"group_name {name!r} unknown (known: {sorted(self.groups)})")
         group.close()
         return web.json_response({"success": True, "message": f"destroyed {name!r}"})
+
+
+def _named_list(obj: object) -> list[tuple[str, torch.Tensor]]:
+    """A deserialized ``load_format=None`` entry: a list of (name, tensor)."""
+    if not (isinstance(obj, list) and all(isinstance(x, tuple) and len(x) == 2
+                                          and isinstance(x[1], torch.Tensor) for x in obj)):
+        raise ValueError("a serialized_named_tensors entry without load_format must be a list "
+                         "of (name, tensor)")
+    return obj
 
 
 def _check_aligned(specs: list[tuple[str, torch.dtype, tuple]]) -> None:
@@ -456,7 +557,10 @@ def build_app(server: RolloutServer) -> web.Application:
                           ("/begin_weight_update", s.begin_weight_update),
                           ("/end_weight_update", s.end_weight_update),
                           ("/update_weights_from_distributed", s.update_weights_from_distributed),
-                          ("/destroy_weights_update_group", s.destroy_weights_update_group)]:
+                          ("/destroy_weights_update_group", s.destroy_weights_update_group),
+                          ("/update_weights_from_tensor", s.update_weights_from_tensor),
+                          ("/release_memory_occupation", s.release_memory_occupation),
+                          ("/resume_memory_occupation", s.resume_memory_occupation)]:
         app.router.add_post(path, handler)
 
     async def start_scheduler(app: web.Application):

@@ -5,6 +5,9 @@ interleaved stages included) against the model (when ``--hf-checkpoint``'s confi
 is on this machine), and plans per-GPU memory with
 :mod:`megatron_klear.train.memory`. A plan that does not fit ``--gpu-memory-gb`` fails with
 a :class:`~megatron_klear.config.ConfigError` naming the flags that would make it fit.
+With ``--colocate`` (klear-rl) it plans the phases of a colocated step instead
+(:func:`~megatron_klear.train.memory.plan_colocated`: training with the engines released,
+the weight sync, rollout with the trainer offloaded) and fails when one does not fit.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from megatron_klear.config import TrainConfig, to_dict
 from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import check_parallel_layout, load_hf_config, \
     moe_config_kwargs, qwen3_config_from_hf
-from megatron_klear.train.memory import Workload, check_fits, plan_memory
+from megatron_klear.train.memory import Workload, check_colocated_fits, check_fits, \
+    plan_colocated, plan_memory
 
 __all__ = ["dry_run"]
 
@@ -48,11 +52,16 @@ def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
         if workload.reference_on_host:  # the reference's copy and the policy's stash
             host = 2 * max(st.params for st in plan.stages)
             report["memory"]["kl_reference_host_gib_per_rank"] = round(host / 2**30, 2)
+        if getattr(cfg, "colocate", False):  # klear-rl --colocate: both phases per GPU
+            colocated = plan_colocated(arch, cfg, plan, workload.seq_length)
+            report["colocated"] = colocated.as_dict()
     else:
         report["model"] = "not checked (--hf-checkpoint is not on this machine)"
         report["memory"] = "not planned (needs the model's config.json)"
     print(json.dumps({"config": to_dict(cfg), "dry_run": report}, indent=2, default=str),
           flush=True)
-    if plan is not None:
+    if "colocated" in report:
+        check_colocated_fits(colocated, arch, cfg, world, workload, plan)
+    elif plan is not None:
         check_fits(plan, arch, cfg, world, workload)
     return report

@@ -39,7 +39,9 @@ from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import padded_vocab_size
 
 __all__ = ["Workload", "StagePlan", "MemoryPlan", "plan_memory", "flags_to_fit", "check_fits",
-           "model_state_bytes_per_param", "layer_activation_elements", "GiB"]
+           "model_state_bytes_per_param", "layer_activation_elements", "GiB",
+           "ColocatedPlan", "plan_colocated", "colocated_fixes", "check_colocated_fits",
+           "model_params", "COLOCATE_RESIDUAL_GIB"]
 
 GiB = 2**30
 
@@ -389,3 +391,139 @@ def check_fits(plan: MemoryPlan, arch, cfg: TrainConfig, world_size: int,
             "--pipeline-model-parallel-size, or shorten the sequences")
     raise ConfigError(f"memory plan: {need} does not fit --gpu-memory-gb "
                       f"{cfg.gpu_memory_gb:g}; {hint}")
+
+
+# Colocated mode (--colocate): what stays on a GPU of the side whose memory is handed over
+# (a process's CUDA context, NCCL buffers, allocator slack): an estimate, not measured on a
+# GPU; the trainer releases everything it can with storage resizing (train/offload.py),
+# SGLang with torch_memory_saver.
+COLOCATE_RESIDUAL_GIB = 2.0
+
+
+@dataclass(frozen=True)
+class ColocatedPlan:
+    """Per-GPU bytes of the phases of a colocated step (``--colocate``), with the numbers
+    each phase is made of. ``training``: the trainer's plan with the engines released;
+    ``sync``: the trainer's parameters, the engines' resumed weights and two staging
+    buckets; ``rollout``: SGLang's static pool (``--sglang-mem-fraction-static`` of the GPU:
+    its weights, then its KV cache) with the trainer offloaded."""
+
+    gpu: int
+    training: int
+    sync: int
+    rollout: int
+    engine_weights: int  # per GPU: bf16 weights / --sglang-tp-size
+    kv_bytes_per_token: int  # per GPU
+    kv_pool: int  # what the static pool leaves the KV cache
+    sequence_tokens: int  # the longest rollout sequence (prompt + response)
+
+    @property
+    def kv_sequences(self) -> float:
+        """Longest sequences the KV pool holds at once (at least one, or rollout cannot run)."""
+        return self.kv_pool / max(self.kv_bytes_per_token * self.sequence_tokens, 1)
+
+    def problems(self) -> list[str]:
+        """What does not fit, phase by phase (empty: every phase fits)."""
+        out = []
+        for name in ("training", "sync", "rollout"):
+            if getattr(self, name) > self.gpu:
+                out.append(f"the {name} phase needs {getattr(self, name) / GiB:.1f} GiB of "
+                           f"{self.gpu / GiB:.0f}")
+        if self.kv_sequences < 1:
+            out.append(f"the engines' KV cache ({self.kv_pool / GiB:.1f} GiB per GPU after "
+                       f"{self.engine_weights / GiB:.1f} GiB of weights) holds no "
+                       f"{self.sequence_tokens}-token sequence")
+        return out
+
+    def as_dict(self) -> dict:
+        """GiB per phase and component (the dry run's ``colocated`` report)."""
+        gib = lambda n: round(n / GiB, 2)  # noqa: E731
+        return {"training_gib": gib(self.training), "sync_gib": gib(self.sync),
+                "rollout_gib": gib(self.rollout), "engine_weights_gib": gib(self.engine_weights),
+                "kv_pool_gib": gib(self.kv_pool), "kv_sequences": round(self.kv_sequences, 1),
+                "residual_gib_per_side": COLOCATE_RESIDUAL_GIB, "fits": not self.problems()}
+
+
+def model_params(arch) -> int:
+    """Parameters of the whole model (unsharded), experts included."""
+    moe = moe_layer_terms(arch)
+    return _stage_params(arch, 1, 1, 0, arch.num_layers) + int(
+        arch.num_layers * moe["sparse_fraction"] * moe["expert_params"])
+
+
+def plan_colocated(arch, cfg, trainer: MemoryPlan, sequence_tokens: int, *,
+                   mem_fraction: float | None = None, engine_tp: int | None = None,
+                   bucket_mb: int | None = None) -> ColocatedPlan:
+    """The phases of a colocated step on one GPU of ``cfg`` (an RLConfig: ``--gpu-memory-gb``,
+    ``--sglang-mem-fraction-static``, ``--sglang-tp-size``, ``--weight-sync-bucket-mb``;
+    the keyword arguments override them), given the trainer's own plan. The engines serve
+    bf16 weights; a KV token holds K and V of every layer, its KV heads split over the
+    engine's TP (replicated when TP exceeds them, as SGLang does)."""
+    frac = cfg.sglang_mem_fraction_static if mem_fraction is None else mem_fraction
+    tp = cfg.sglang_tp_size if engine_tp is None else engine_tp
+    bucket = (cfg.weight_sync_bucket_mb if bucket_mb is None else bucket_mb) * 2**20
+    gpu, residual = int(cfg.gpu_memory_gb * GiB), int(COLOCATE_RESIDUAL_GIB * GiB)
+    weights = model_params(arch) * 2 // tp
+    kv_token = 2 * arch.num_layers * max(arch.num_query_groups // tp, 1) * arch.head_dim * 2
+    pool = int(frac * gpu)
+    return ColocatedPlan(
+        gpu=gpu, training=trainer.total + residual,
+        sync=trainer.peak.params + weights + 2 * bucket + residual,
+        rollout=pool + residual, engine_weights=weights, kv_bytes_per_token=kv_token,
+        kv_pool=pool - weights, sequence_tokens=sequence_tokens)
+
+
+def colocated_fixes(arch, cfg, world_size: int, workload: Workload, trainer: MemoryPlan
+                    ) -> list[str]:
+    """Flags that would make a colocated plan fit: memory flags for the trainer (with the
+    engines' residual taken off the GPU), a larger ``--sglang-tp-size``, a ``--sglang-mem-
+    fraction-static`` that leaves room for the offloaded trainer's residual and still holds
+    a sequence's KV cache, a smaller ``--weight-sync-bucket-mb``."""
+    plan = plan_colocated(arch, cfg, trainer, workload.seq_length)
+    fixes: list[str] = []
+    if plan.training > plan.gpu:
+        trainer_fix = flags_to_fit(arch, cfg, world_size, workload,
+                                   cfg.gpu_memory_gb - COLOCATE_RESIDUAL_GIB)
+        fixes += trainer_fix if trainer_fix else [
+            "(trainer: raise --tensor-model-parallel-size or --pipeline-model-parallel-size)"]
+    if plan.rollout > plan.gpu or plan.kv_sequences < 1:
+        fixes += _engine_fixes(arch, cfg, world_size, trainer, workload.seq_length)
+    if plan.sync > plan.gpu:
+        for mb in (256, 128, 64, 32):
+            smaller = plan_colocated(arch, cfg, trainer, workload.seq_length, bucket_mb=mb)
+            if smaller.sync <= plan.gpu:
+                fixes.append(f"--weight-sync-bucket-mb {mb}")
+                break
+    return fixes
+
+
+def _engine_fixes(arch, cfg, world_size: int, trainer: MemoryPlan, tokens: int) -> list[str]:
+    """The smallest ``--sglang-tp-size`` (from the configured one up) whose rollout phase
+    fits, with the configured ``--sglang-mem-fraction-static`` or the nearest that fits."""
+    def fits(tp: int, frac: float) -> bool:
+        p = plan_colocated(arch, cfg, trainer, tokens, engine_tp=tp, mem_fraction=frac)
+        return p.rollout <= p.gpu and p.kv_sequences >= 1
+
+    frac = cfg.sglang_mem_fraction_static
+    for tp in (t for t in (1, 2, 4, 8) if t >= cfg.sglang_tp_size and world_size % t == 0):
+        tp_flag = [f"--sglang-tp-size {tp}"] if tp != cfg.sglang_tp_size else []
+        if fits(tp, frac):
+            return tp_flag
+        good = [f / 100 for f in range(5, 100) if fits(tp, f / 100)]
+        if good:
+            return tp_flag + [f"--sglang-mem-fraction-static "
+                              f"{min(good, key=lambda f: abs(f - frac)):.2f}"]
+    return ["(rollout: no engine TP up to 8 holds the weights and one sequence)"]
+
+
+def check_colocated_fits(plan: ColocatedPlan, arch, cfg, world_size: int, workload: Workload,
+                         trainer: MemoryPlan) -> None:
+    """Raise :class:`ConfigError` naming each phase that does not fit and the flags that
+    would make it fit."""
+    problems = plan.problems()
+    if not problems:
+        return
+    fixes = colocated_fixes(arch, cfg, world_size, workload, trainer)
+    raise ConfigError(f"colocated memory plan (--colocate): {'; '.join(problems)} "
+                      f"(--gpu-memory-gb {cfg.gpu_memory_gb:g}); "
+                      + (f"add {' '.join(fixes)}" if fixes else "no flag is enough"))

@@ -31,6 +31,7 @@ from megatron_klear.ops.backend import loss_backend
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.train.async_rollout import RolloutSource
+from megatron_klear.train.colocate import Colocation
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED, sequence_multiple
 from megatron_klear.train.engine import Engine, build_engine, \
     restore_or_init
@@ -186,6 +187,35 @@ class RLConfig(TrainConfig):
                                          "default --rollout-temperature")
     eval_top_p: float | None = opt(None, "--eval-data nucleus sampling (Klear: 0.95); default "
                                    "--rollout-top-p")
+    colocate: bool = opt(False, "trainer and rollout engines share the GPUs: engines release "
+                         "their memory while the trainer (offloaded to CPU otherwise) trains, "
+                         "weights go over as tensor handles; docs/rollout.md")
+    sglang_mem_fraction_static: float = opt(0.85, "SGLang's --mem-fraction-static of the rollout "
+                                            "engines: the share of GPU memory for their weights "
+                                            "and KV cache (the --dry-run plan budgets it)")
+    sglang_tp_size: int = opt(1, "TP size of each rollout engine; with --colocate one engine runs "
+                              "per this many GPUs (embedded servers on CPU: one per this many "
+                              "ranks) and the --dry-run plan shards their weights by it")
+
+    def validate_colocation(self) -> None:
+        """``--colocate`` and ``--sglang-mem-fraction-static`` checks."""
+        if not 0 < self.sglang_mem_fraction_static < 1:
+            raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got "
+                              f"{self.sglang_mem_fraction_static}")
+        if self.sglang_tp_size < 1:
+            raise ConfigError(f"--sglang-tp-size must be >= 1, got {self.sglang_tp_size}")
+        if not self.colocate:
+            return
+        if self.rollout_num_servers != 1:
+            raise ConfigError("--rollout-num-servers does not apply with --colocate: one engine "
+                              "runs per --sglang-tp-size ranks; drop it")
+        if self.async_rollout:
+            raise ConfigError("--async-rollout cannot run with --colocate: colocated engines and "
+                              "trainer take turns on the same GPUs, so nothing is generated "
+                              "while the trainer trains; drop one of the two flags")
+        if self.weight_sync_format != "flattened_bucket":
+            raise ConfigError("--colocate passes weights as SGLang flattened buckets of tensor "
+                              "handles; drop --weight-sync-format per_tensor")
 
     def validate(self) -> None:  # noqa: D102
         # sequences per optimizer step follow from the mini-batch of prompts
@@ -250,6 +280,7 @@ class RLConfig(TrainConfig):
                               "Engine's THD attention cannot express its tree mask): drop "
                               "--no-pack-sequences / use --transformer-impl local, or drop "
                               "--share-prompts")
+        self.validate_colocation()
 
     def overlong_shaping(self) -> OverlongShaping | None:
         """DAPO's overlong reward shaping, or None without ``--overlong-buffer-len``."""
@@ -637,14 +668,16 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
 
 @contextlib.contextmanager
 def rollout_servers(cfg: RLConfig):
-    """The rollout servers of the run: given URLs, or embedded servers started here (rank 0)."""
+    """The rollout servers of the run: given URLs, or embedded servers started here (rank 0;
+    with ``--colocate`` one per ``--sglang-tp-size`` ranks)."""
     from megatron_klear.rollout.launcher import connect, launch_embedded_servers
 
     if cfg.rollout_urls:
         yield connect(cfg.rollout_urls)
     elif torch.distributed.get_rank() == 0:
-        with launch_embedded_servers(cfg.hf_checkpoint, cfg.rollout_num_servers,
-                                     seed=cfg.seed) as servers:
+        count = max(torch.distributed.get_world_size() // cfg.sglang_tp_size, 1) \
+            if cfg.colocate else cfg.rollout_num_servers  # colocated: one per engine TP group
+        with launch_embedded_servers(cfg.hf_checkpoint, count, seed=cfg.seed) as servers:
             broadcast_batch(servers.urls)
             yield servers
     else:
@@ -685,23 +718,35 @@ def train(cfg: RLConfig) -> list[dict]:
     history: list[dict] = []
     with rollout_servers(cfg) as servers:
         client = RolloutClient(servers.urls)
-        # synchronous runs have nothing in flight at a sync: abort + flush is the clean state
-        sync = WeightSync(servers.urls, engine.model, arch,
-                          bucket_bytes=cfg.weight_sync_bucket_mb * 2**20,
-                          load_format=None if cfg.weight_sync_format == "per_tensor"
-                          else cfg.weight_sync_format,
-                          master_addr=cfg.weight_sync_master_addr, rollout_client=client,
-                          pause_mode=INFLIGHT_PAUSE_MODES[cfg.async_inflight]
-                          if cfg.async_rollout else "abort",
-                          flush_cache=not cfg.async_rollout)
+        if cfg.colocate:
+            sync = colocated_sync(cfg, servers.urls, engine, arch, client)
+            colo = Colocation(engine, client if torch.distributed.get_rank() == 0 else None)
+        else:
+            # synchronous runs have nothing in flight at a sync: abort + flush is the clean state
+            sync = WeightSync(servers.urls, engine.model, arch,
+                              bucket_bytes=cfg.weight_sync_bucket_mb * 2**20,
+                              load_format=None if cfg.weight_sync_format == "per_tensor"
+                              else cfg.weight_sync_format,
+                              master_addr=cfg.weight_sync_master_addr, rollout_client=client,
+                              pause_mode=INFLIGHT_PAUSE_MODES[cfg.async_inflight]
+                              if cfg.async_rollout else "abort",
+                              flush_cache=not cfg.async_rollout)
+            colo = None
         sync.connect()
-        sync.sync(weight_version=str(step))  # servers start from the trainer's weights
+        if colo is not None:  # servers start from the trainer's weights; the trainer leaves
+            colo.release_engines()
+            colo.sync_and_probe(sync, str(step), probe=False)
+        else:
+            sync.sync(weight_version=str(step))  # servers start from the trainer's weights
         with contextlib.closing(rollout_source(cfg, client, tokenizer, stream, params,
                                                step)) as source:
             while step < cfg.train_iters:
-                metrics = rl_step(engine, cfg, source, tokenizer, step, reference)
+                metrics = rl_step(engine, cfg, source, tokenizer, step, reference,
+                                  colo.before_train if colo is not None else None)
                 step += 1
-                metrics.update(sync_and_probe(engine, cfg, sync, str(step)))
+                metrics.update(colo.sync_and_probe(sync, str(step), cfg.probe_weights)
+                               if colo is not None else
+                               sync_and_probe(engine, cfg, sync, str(step)))
                 source.weights_updated(step)
                 if cfg.eval_data and cfg.eval_interval and step % cfg.eval_interval == 0:
                     metrics.update(periodic_eval(cfg, client, tokenizer))
@@ -709,12 +754,24 @@ def train(cfg: RLConfig) -> list[dict]:
                 history.append(metrics)
                 if cfg.save and (step == cfg.train_iters or
                                  (cfg.save_interval and step % cfg.save_interval == 0)):
-                    engine.save(step, {"consumed_prompts": metrics["data/consumed_prompts"]})
+                    with colo.trainer_resident() if colo else contextlib.nullcontext():
+                        engine.save(step, {"consumed_prompts": metrics["data/consumed_prompts"]})
         sync.close()
+        if colo is not None:
+            colo.close()
     log.close()
     if cfg.export_hf:
         engine.export_hf(cfg.export_hf, cfg.hf_checkpoint)
     return history
+
+
+def colocated_sync(cfg: RLConfig, urls: list[str], engine: Engine, arch: Any,
+                   client: Any) -> Any:
+    """The weight sync of ``--colocate``: tensor handles to the engines on this node."""
+    from megatron_klear.rollout.tensor_sync import TensorWeightSync
+
+    return TensorWeightSync(urls, engine.model, arch, rollout_client=client,
+                            bucket_bytes=cfg.weight_sync_bucket_mb * 2**20)
 
 
 def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStream,
@@ -735,8 +792,11 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
 
 
 def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any,
-            step: int, reference: ReferencePolicy | None = None) -> dict:
-    """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it."""
+            step: int, reference: ReferencePolicy | None = None,
+            before_train: Any = None) -> dict:
+    """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it;
+    ``before_train()`` (colocated mode: the hand-over of the GPUs) runs before training and
+    returns metrics."""
     t0 = time.time()
     got = source.next(step) if torch.distributed.get_rank() == 0 else None
     batch, cursor, version = broadcast_batch(
@@ -752,6 +812,8 @@ def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any
         return metrics
     batch = batch.select_groups(range(usable))
     shape_routed_experts(batch, engine.arch.num_layers, engine.arch.num_experts_per_tok)
+    if before_train is not None:
+        metrics.update(before_train())
     metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id, reference))
     return metrics
 

@@ -17,6 +17,8 @@
 #   6. with 2+ GPUs, tests/gpu/smoke_2gpu.py (issue 13's GPU path, needs megatron-core and TE;
 #      issue 30: a padded TP2+SP RL step of an odd length, and an HF checkpoint converted by
 #      tools/convert_hf_to_megatron.py loaded into the TE model).
+#   7. tests/gpu/colocate_smoke.py (issue 31: trainer offload on the GPU, bitwise; with SGLang
+#      and torch_memory_saver installed, release/resume and klear-rl --colocate over CUDA IPC).
 # Everything is written to the log (default: gpu_checks.log in the repository root; pass a path
 # as $1). Copy the log into docs/policy_loss.md. Exits non-zero at the first failing step.
 set -euo pipefail
@@ -58,5 +60,8 @@ if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; t
 else
   echo "skipped: fewer than 2 GPUs visible"
 fi
+
+step "colocated mode: trainer offload on the GPU, SGLang release/resume, klear-rl --colocate"
+python3 tests/gpu/colocate_smoke.py
 
 step "done: all GPU checks passed; log at $log"

@@ -118,6 +118,61 @@ def test_klear_rl_syncs_real_sglang(servers, sglang_model, prompts, tmp_path, wo
     _check_run(hist, 2)
 
 
+def test_tensor_handles_and_release_resume_on_real_sglang(servers, sglang_model):
+    """Colocation's endpoints on SGLang's CPU engine (issue 31), with the trainer's payload
+    (tensor_handles.py: CPU tensors shared by handle, SGLang's flattened_bucket pickle).
+    Recorded behaviour: release and resume by tag answer 200 with a null body but free
+    nothing on a CPU -- without --enable-memory-saver SGLang's adapter is a no-op
+    (sglang/srt/utils/torch_memory_saver_adapter.py, _TorchMemorySaverAdapterNoop), and with
+    it the server cannot start here (torch_memory_saver is not installed; its wheel links
+    libcuda.so.1) -- so the weights are intact after release + resume (on a GPU they would be
+    undefined until the update). update_weights_from_tensor maps the trainer's shared
+    memory and loads it: the server then serves transformers' log-probs of those weights.
+    Outside a begin/end session it is refused with the message the embedded server copies."""
+    from tests.rollout_helpers import load_reference, reference_logprobs
+    from tests.test_colocate import _flat_payload
+    from tests.test_weight_sync import PROBE_IDS, STALE_MIN, _post
+    from megatron_klear.rollout.tensor_handles import serialize_bucket
+
+    url = servers.urls[1]
+    client = RolloutClient([url], request_timeout_s=120)
+    before = torch.tensor(client.prompt_logprobs(PROBE_IDS)[0])
+    for path, tag in [("/release_memory_occupation", "kv_cache"),
+                      ("/release_memory_occupation", "weights"),
+                      ("/resume_memory_occupation", "weights")]:
+        assert _post(url, path, {"tags": [tag]}) == (200, None)
+    ref, _ = load_reference(sglang_model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.9).add_(0.01)
+    flat, specs = _flat_payload({n: p.detach().clone() for n, p in ref.named_parameters()})
+    body = {"load_format": "flattened_bucket", "flush_cache": False, "weight_version": "h1"}
+    code, reply = _post(url, "/update_weights_from_tensor",
+                        dict(body, serialized_named_tensors=[serialize_bucket(flat, specs)]))
+    assert code == 400 and "between begin_weight_update() and end_weight_update()" \
+        in reply["message"], reply
+    assert _post(url, "/begin_weight_update", {})[0] == 200
+    code, reply = _post(url, "/update_weights_from_tensor",
+                        dict(body, serialized_named_tensors=[serialize_bucket(flat, specs)]))
+    assert _post(url, "/end_weight_update", {})[0] == 200
+    assert (code, reply["success"]) == (200, True), reply
+    assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]}) == (200, None)
+    want = reference_logprobs(ref, PROBE_IDS)
+    got = torch.tensor(client.prompt_logprobs(PROBE_IDS)[0])
+    assert float((got - want).abs().max()) < PROBE_TOL
+    assert float((before - want).abs().max()) > STALE_MIN  # the update changed the weights
+
+
+def test_klear_rl_colocated_on_real_sglang(servers, sglang_model, prompts, tmp_path):
+    """klear-rl --colocate (TP=2) against a real SGLang server: every step's hand-over
+    (release, resume) and the tensor-handle sync go to SGLang; the probe is below 1e-3."""
+    args = _rl_args(sglang_model, prompts, tmp_path / "ck", servers.urls[1:2], 2,
+                    "--tensor-model-parallel-size", "2", "--colocate")
+    hist = run_distributed(_rl_train, 2, args, timeout=600)[0]
+    _check_run(hist, 2)
+    assert all(m["colocate/offloaded_bytes"] > 0 for m in hist)
+
+
 def test_server_with_tp_size_2(sglang_model, prompts, tmp_path, servers):
     """A --tp-size 2 server joins as ranks offset+0 and offset+1 (offsets from /server_info),
     next to a TP=1 server: world 1 + 1 + 2."""

@@ -1,0 +1,169 @@
+"""SGLang's ``update_weights_from_tensor`` payload: tensors passed by handle, not by value.
+
+A colocated trainer hands an engine on the same node its weights as torch multiprocessing
+handles: the tensor's storage is shared (CUDA IPC on a GPU, a shared-memory file on a CPU)
+and only the handle travels in the HTTP body. The body is SGLang 0.5.23's
+(``UpdateWeightsFromTensorReqInput``, sglang/srt/managers/io_struct.py):
+``serialized_named_tensors`` holds one base64 string per engine TP rank, each a
+``MultiprocessingSerializer`` pickle (``ForkingPickler``, sglang/srt/utils/common.py). With
+``load_format="flattened_bucket"`` the pickled object is ``{"flattened_tensor": uint8
+tensor, "metadata": [FlattenedTensorMetadata, ...]}``
+(sglang/srt/model_executor/model_runner_components/weight_updater.py,
+``_update_weights_from_flattened_bucket``; sglang/srt/weight_sync/tensor_bucket.py).
+
+The trainer does not import SGLang, so :class:`FlattenedTensorMetadata` here has SGLang's
+fields and :func:`serialize_bucket` writes it into the pickle under SGLang's name
+(``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``): SGLang's
+``SafeUnpickler`` allows exactly that global. :func:`deserialize` is the embedded server's
+reading of the same bytes, with an allow-list as SGLang's (no arbitrary globals).
+
+CPU tensors are shared with torch's ``file_system`` strategy (``rebuild_storage_filename``,
+also on SGLang's allow-list): the default ``file_descriptor`` strategy passes a descriptor
+through ``multiprocessing.resource_sharer``, which only a child process of the sender can
+collect (it authenticates with the parent's key); an engine is not the trainer's child.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.multiprocessing as torch_mp
+from multiprocessing.reduction import ForkingPickler
+
+__all__ = ["FlattenedTensorMetadata", "serialize_bucket", "deserialize", "bucket_tensors",
+           "shared_buffer", "SGLANG_METADATA"]
+
+# where SGLang 0.5.23 defines the metadata class (its SafeUnpickler allows this global)
+SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """One tensor of a flattened bucket: SGLang's fields and meaning (byte offsets in the
+    uint8 ``flattened_tensor``; ``numel`` counts bytes, as SGLang's)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
+    """``ForkingPickler`` (torch's tensor reductions) that writes
+    :class:`FlattenedTensorMetadata` as SGLang's class."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.dispatch_table = ForkingPickler._copyreg_dispatch_table.copy()
+        self.dispatch_table.update(ForkingPickler._extra_reducers)
+
+    def save_global(self, obj, name=None):  # noqa: D102
+        if obj is FlattenedTensorMetadata:
+            self.save(SGLANG_METADATA[0])
+            self.save(SGLANG_METADATA[1])
+            self.write(pickle.STACK_GLOBAL)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+@contextlib.contextmanager
+def _file_system_sharing() -> Iterator[None]:
+    """torch's ``file_system`` sharing strategy for the pickles made inside (see module doc)."""
+    before = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch_mp.set_sharing_strategy(before)
+
+
+def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer whose handle can be passed to another process, for as long as this
+    process holds it. CPU: in shared memory (``file_system``) with one reference kept by this
+    process: torch unlinks a shared-memory file when its count drops to zero, which happens
+    as soon as a receiver drops the tensors of the first payload (measured: a second payload
+    of the same buffer then fails with ``No such file or directory``); torch_shm_manager
+    unlinks it when this process exits. CUDA: a plain allocation (CUDA IPC keeps the block
+    alive while a receiver maps it)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if buf.device.type == "cpu":
+        with _file_system_sharing():
+            buf.share_memory_()
+        buf.untyped_storage()._shared_incref()
+    return buf
+
+
+def serialize_bucket(flat: torch.Tensor, specs: list[tuple[str, tuple, torch.dtype, int]]
+                     ) -> str:
+    """The base64 ``MultiprocessingSerializer`` string of a flattened bucket: ``flat`` (uint8,
+    shared by handle: the receiver maps the same memory; a :func:`shared_buffer`) and
+    ``specs`` as (name, shape, dtype, byte offset). One payload serves one receiver (one
+    engine TP rank): each pickle takes the reference its receiver gives back."""
+    metadata = []
+    for name, shape, dtype, offset in specs:
+        size = torch.Size(shape).numel() * dtype.itemsize
+        metadata.append(FlattenedTensorMetadata(name, torch.Size(shape), dtype, offset,
+                                                offset + size, size))
+    buf = io.BytesIO()
+    with _file_system_sharing():
+        _Pickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads SGLang's payloads: torch's tensor rebuild functions and plain containers only,
+    as SGLang's ``SafeUnpickler`` (sglang/srt/utils/common.py); SGLang's metadata class
+    becomes :class:`FlattenedTensorMetadata`."""
+
+    ALLOWED = {("torch.multiprocessing.reductions", n) for n in (
+        "rebuild_tensor", "rebuild_storage_filename", "rebuild_storage_empty",
+        "rebuild_typed_storage", "rebuild_storage_fd")} | {
+        ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"), ("torch", "Size"),
+        ("torch", "Tensor"), ("torch", "device"), ("torch", "dtype"), ("copyreg", "__newobj__"),
+        ("copyreg", "_reconstructor"), ("builtins", "object"), ("collections", "OrderedDict"),
+        ("multiprocessing.resource_sharer", "DupFd"), ("torch._tensor", "_rebuild_from_type_v2")}
+
+    def find_class(self, module: str, name: str):  # noqa: D102
+        if (module, name) == SGLANG_METADATA:
+            return FlattenedTensorMetadata
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name} in a serialized tensor "
+                                     "payload (only torch tensor handles are accepted)")
+
+
+def deserialize(payload: str | bytes) -> object:
+    """The object of one ``serialized_named_tensors`` entry (base64 string or raw bytes)."""
+    data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+def bucket_tensors(obj: object) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor view) of a deserialized flattened bucket, as SGLang's
+    ``FlattenedTensorBucket.reconstruct_tensors``; ValueError names what is malformed."""
+    if not (isinstance(obj, dict) and isinstance(obj.get("flattened_tensor"), torch.Tensor)
+            and isinstance(obj.get("metadata"), list)):
+        raise ValueError("a flattened_bucket entry must be {'flattened_tensor': uint8 tensor, "
+                         "'metadata': [FlattenedTensorMetadata, ...]}")
+    flat, out = obj["flattened_tensor"], []
+    for meta in obj["metadata"]:
+        if not isinstance(meta, FlattenedTensorMetadata):
+            raise ValueError(f"metadata entry {meta!r} is not a FlattenedTensorMetadata")
+        if meta.end_idx > flat.numel() or meta.start_idx % meta.dtype.itemsize:
+            raise ValueError(f"{meta.name}: bytes [{meta.start_idx}, {meta.end_idx}) do not lie "
+                             f"aligned in the {flat.numel()}-byte flattened tensor")
+        out.append((meta.name, flat[meta.start_idx:meta.end_idx].view(meta.dtype)
+                    .reshape(meta.shape)))
+    return out

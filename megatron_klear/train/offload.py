@@ -1,0 +1,139 @@
+"""Trainer offload for colocated mode: parameters, gradients and optimizer state to host
+memory while the rollout engines use the GPU, and back for the training step.
+
+What moves is every storage that holds them, found once from the model chunks and the
+optimizer: megatron DDP's ``param_data``/``grad_data`` buffers (every parameter and
+``main_grad`` is a view of one), the optimizer's main parameters (the distributed
+optimizer's fp32 shards included) and their gradients, and every tensor of the optimizer
+state (Adam's moments, step counters). A storage is copied whole into a host buffer (pinned on
+a GPU machine) and then resized to zero bytes, which frees the device memory while every
+tensor that views it -- parameters, DDP buckets, optimizer shards -- stays a valid object;
+:meth:`TrainerOffload.onload` resizes it back and copies the bytes in. The bytes come back
+as they left, so training with offload is bitwise equal to training without it
+(tests/test_offload.py). This is the technique of slime's and verl's colocated trainers
+(``storage().resize_(0)``); not run on a GPU, where the freed blocks also go back to the
+driver (``torch.cuda.empty_cache``) for the engines to allocate.
+
+Storages already in host memory while training computes on a GPU (``--optimizer-cpu-offload``
+keeps the optimizer state there) stay where they are.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator
+
+import torch
+
+from megatron_klear import platform
+
+__all__ = ["TrainerOffload", "trainer_tensors"]
+
+
+def _leaf_optimizers(optimizer) -> Iterator:
+    """The megatron optimizers of ``optimizer`` (a ChainedOptimizer holds several, for MoE)."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        yield opt
+
+
+def trainer_tensors(model_chunks: Iterable[torch.nn.Module], optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor of the trainer's state: parameters and their ``main_grad``, DDP's
+    param/grad buffers, and per optimizer its (main) parameters, their grads and its state."""
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            yield p
+            if getattr(p, "main_grad", None) is not None:
+                yield p.main_grad
+        for buf in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
+            yield from (t for t in (buf.param_data, buf.grad_data) if t is not None)
+    if optimizer is None:
+        return
+    for opt in _leaf_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                yield p
+                if p.grad is not None:
+                    yield p.grad
+        for state in inner.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+GROUPS = ("params", "state")  # parameter storages (DDP's param_data); everything else
+
+
+class TrainerOffload:
+    """Offload and onload of the trainer's storages (no collectives; every rank its own), in
+    two groups that may leave separately: ``params`` (what the parameters view: the weights
+    a sync reads) and ``state`` (gradients, main parameters, optimizer state)."""
+
+    def __init__(self, model_chunks: list[torch.nn.Module], optimizer) -> None:
+        self.device = platform.device()
+        params = {p.untyped_storage()._cdata for c in model_chunks for p in c.parameters()}
+        seen: set[int] = set()
+        self.storages: dict[str, list[torch.UntypedStorage]] = {g: [] for g in GROUPS}
+        self._views: dict[int, torch.Tensor] = {}  # per storage: a tensor viewing it
+        for t in trainer_tensors(model_chunks, optimizer):
+            storage = t.untyped_storage()
+            key = storage._cdata  # the StorageImpl: one per storage, whatever views it
+            if key in seen or storage.nbytes() == 0 or t.device.type != self.device.type:
+                continue
+            seen.add(key)
+            self.storages["params" if key in params else "state"].append(storage)
+            self._views[key] = t.detach()
+        self._host: dict[str, list[torch.Tensor]] = {}  # per offloaded group
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of trainer state this moves."""
+        return sum(h.numel() for hs in self._host.values() for h in hs) + sum(
+            s.nbytes() for g, ss in self.storages.items() if g not in self._host for s in ss)
+
+    @property
+    def offloaded(self) -> bool:
+        """True while any group is offloaded."""
+        return bool(self._host)
+
+    def offload(self, group: str | None = None) -> float:
+        """Copy the storages of ``group`` (default: every group still on the device) to host
+        memory and free them on the device; seconds taken."""
+        groups = [group] if group else [g for g in GROUPS if g not in self._host]
+        if any(g not in GROUPS or g in self._host for g in groups):
+            raise RuntimeError(f"offload({group!r}): expected one of {GROUPS} still on the "
+                               f"device (offloaded now: {sorted(self._host)})")
+        start = time.perf_counter()
+        pin = torch.cuda.is_available()  # pinned host memory needs a CUDA driver (or the
+        # strict virtual-CUDA mode's emulation, platform.py)
+        for g in groups:
+            host = []
+            for storage in self.storages[g]:
+                h = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                h.copy_(self._bytes(storage))
+                host.append(h)
+            for storage in self.storages[g]:
+                storage.resize_(0)
+            self._host[g] = host
+        torch.cuda.empty_cache()  # give the blocks back for the engines (no-op without CUDA)
+        return time.perf_counter() - start
+
+    def onload(self) -> float:
+        """Allocate every offloaded storage on the device again and copy its bytes back;
+        seconds taken."""
+        if not self._host:
+            raise RuntimeError("the trainer state is not offloaded; offload() first")
+        start = time.perf_counter()
+        for g, host in self._host.items():
+            for storage, h in zip(self.storages[g], host):
+                storage.resize_(h.numel())
+                self._bytes(storage).copy_(h)
+        self._host = {}
+        return time.perf_counter() - start
+
+    def _bytes(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """A uint8 tensor over the whole of ``storage``, made from a tensor that views it (a
+        view of a device tensor is one on every platform; ``Tensor.set_`` from a new empty
+        tensor would lose the device in the strict virtual-CUDA mode, which tags storages by
+        the ops that make them)."""
+        t = self._views[storage._cdata]
+        first = torch.as_strided(t, (1,), (1,), 0).view(torch.uint8)  # byte 0 of the storage
+        return torch.as_strided(first, (storage.nbytes(),), (1,), 0)
