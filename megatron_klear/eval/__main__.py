@@ -4,7 +4,8 @@
              --k 16 --temperature 1.0 --max-new-tokens 32768 --out-dir eval/
   klear-eval --rejudge eval/samples.jsonl
 
---model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly).
+--model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly, with
+the tokenizer of --hf-config).
 Without --rollout-urls, embedded rollout servers are started on this machine.
 """
 
@@ -23,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="klear-eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF model dir or megatron-klear checkpoint dir")
+    p.add_argument("--hf-config", default=None,
+                   help="HF dir giving the tokenizer (and config.json) of a megatron-klear "
+                        "checkpoint given as --model, as for tools/convert_megatron_to_hf.py")
     p.add_argument("--benchmark", action="append", default=[],
                    help="[name=]path.jsonl[@reward] (reward: math, code or pkg.mod:fn; "
                         "default math)")
@@ -48,17 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_model(model: str, out_dir: Path) -> Path:
-    """An HF dir for ``model``: itself, or a conversion of a megatron-klear checkpoint."""
+def resolve_model(model: str, out_dir: Path, hf_config: str | None = None) -> Path:
+    """An HF dir for ``model``: itself, or a conversion of a megatron-klear checkpoint with
+    the tokenizer of ``hf_config`` (a checkpoint holds none)."""
     path = Path(model)
     if (path / "config.json").is_file():
         return path
     if (path / "latest_checkpointed_iteration.txt").is_file():
         from megatron_klear.checkpoint.convert import convert_megatron_to_hf
 
+        if hf_config is None:
+            raise FileNotFoundError(f"--model {model} is a megatron-klear checkpoint, which holds "
+                                    "no tokenizer: add --hf-config <the HF dir it was trained "
+                                    "from>")
         target = out_dir / "hf_model"
         if not (target / "config.json").is_file():
-            convert_megatron_to_hf(path, target)
+            convert_megatron_to_hf(path, target, hf_config_dir=hf_config)
         return target
     raise FileNotFoundError(f"--model {model}: neither an HF dir (config.json) nor a "
                             "megatron-klear checkpoint (latest_checkpointed_iteration.txt)")
@@ -81,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
     from megatron_klear.rollout.launcher import connect, launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir = resolve_model(args.model, out)
+    hf_dir = resolve_model(args.model, out, args.hf_config)
     tokenizer = load_tokenizer(hf_dir, args.prompt_template, args.chat_template)
     benches = [parse_benchmark(b, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                answer_format=args.answer_format) for b in args.benchmark]
