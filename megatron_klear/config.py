@@ -14,7 +14,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, ClassVar, Sequence, TypeVar
 
 import yaml
 
@@ -123,6 +123,16 @@ class TrainConfig:
                                "model (when --hf-checkpoint exists here), print it and the "
                                "per-GPU memory plan, and exit (non-zero when it does not fit "
                                "--gpu-memory-gb)")
+    # loading another stage's checkpoint (issue 28), as Megatron-LM's flags
+    finetune: bool = opt(False, "take only the weights of --load's checkpoint: start at step 0 "
+                                "with a fresh optimizer, LR schedule, data cursor and RNG "
+                                "(implied for a checkpoint of another trainer or the converter)")
+    no_load_optim: bool = opt(False, "resume without the checkpoint's optimizer and LR-schedule "
+                                     "state")
+    no_load_rng: bool = opt(False, "resume without the checkpoint's RNG states")
+
+    # which trainer this config drives; recorded in its checkpoints ("sft", "rl")
+    trainer_name: ClassVar[str | None] = None
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the flag of the first inconsistent value."""
@@ -253,8 +263,9 @@ def _build_parser(cls: type[TrainConfig], prog: str | None) -> argparse.Argument
         tp = _base_type(hints[f.name])
         kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", ""),
                               "default": argparse.SUPPRESS}
-        if tp is bool:
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kw)
+        if tp is bool:  # --foo / --no-foo; a field named no_foo is a plain switch (--no-foo)
+            parser.add_argument(flag(f.name), action="store_true" if f.name.startswith("no_")
+                                else argparse.BooleanOptionalAction, **kw)
             continue
         if typing.get_origin(tp) is list:
             kw.update(nargs="+", type=typing.get_args(tp)[0])

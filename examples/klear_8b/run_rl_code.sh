@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stage 3, GPPO on code from the math RL checkpoint (same launch as run_rl_math.sh).
+# Stage 3, GPPO on code from the math RL checkpoint (same launch as run_rl_math.sh); --finetune
+# takes its weights only (step 0, fresh optimizer and prompt cursor) since it is an RL checkpoint too.
 HERE=$(cd "$(dirname "$0")" && pwd)
 NNODES=${NNODES:-2}  # before common.sh, which defaults it to 1
 source "$HERE/../common.sh"
@@ -9,5 +10,5 @@ DATA=${CODE_DATA:-/data/klear/code_rl.jsonl}
 ROLLOUT_URLS=${ROLLOUT_URLS:-http://rollout-0:30000 http://rollout-0:30001}
 # shellcheck disable=SC2086
 launch megatron_klear.train.rl --config "$HERE/rl_code.yaml" --hf-checkpoint "$MODEL" \
-  --load "$OUT/rl_math" --prompt-data "$DATA" --rollout-urls $ROLLOUT_URLS \
+  --load "$OUT/rl_math" --finetune --prompt-data "$DATA" --rollout-urls $ROLLOUT_URLS \
   --save "$OUT/rl_code" --export-hf "$OUT/rl_code_hf" "$@"

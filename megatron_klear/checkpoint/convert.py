@@ -171,7 +171,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
         tmp = tmp_dir(out_dir)
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        save_checkpoint(tmp, 0, [model], hf_config=hf_config,
+        save_checkpoint(tmp, 0, [model], hf_config=hf_config, trainer="convert",
                         sharded_strategy=torch_dist_io.StreamingSaveStrategy(
                             slots, build, threads, release=reader.release, maps=reader.maps))
     if _rank() == 0:

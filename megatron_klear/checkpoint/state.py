@@ -7,7 +7,8 @@ On-disk layout (Megatron-LM-like)::
                                          "opt_param_scheduler", "extra"}
     <dir>/iter_0000010/rng/rank_00000.pt  per-rank RNG states (python, numpy, torch, tracker)
     <dir>/iter_0000010/klear_meta.json  written LAST: iteration, tp, pp, world size, dtype,
-                                        hf_config, contents, file sizes, complete: true
+                                        hf_config, trainer (sft, rl, convert), contents,
+                                        file sizes, complete: true
     <dir>/latest_checkpointed_iteration.txt
 
 A save goes into ``<dir>/.iter_0000010.tmp``, is fsynced, then renamed into place, and only
@@ -39,10 +40,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_klear.checkpoint.hf_bridge import unwrap_model
+from megatron_klear.models.qwen3 import qwen3_config_from_hf
 
 __all__ = ["CheckpointInfo", "CheckpointError", "save_checkpoint", "load_checkpoint",
-           "find_latest_checkpoint", "read_meta", "iteration_dir", "FORMAT_VERSION",
-           "META_FILE", "LATEST_FILE"]
+           "find_latest_checkpoint", "read_meta", "iteration_dir", "check_same_model",
+           "FORMAT_VERSION", "META_FILE", "LATEST_FILE", "ARCH_FIELDS"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,14 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # over DP), which reshards to any TP/PP/DP; megatron-core 0.16.1's default
 # (fully_sharded_model_space) uses flattened ranges that its dist_checkpointing rejects.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The Qwen3Arch facts that fix the saved tensors' shapes, by their config.json names: a
+# checkpoint loads only into a model that agrees on all of them.
+ARCH_FIELDS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+               "ffn_hidden_size": "intermediate_size", "num_attention_heads":
+               "num_attention_heads", "num_query_groups": "num_key_value_heads",
+               "head_dim": "head_dim", "vocab_size": "vocab_size",
+               "tie_word_embeddings": "tie_word_embeddings", "num_experts": "num_experts",
+               "moe_ffn_hidden_size": "moe_intermediate_size", "moe_layers": "sparse layers"}
 
 
 class CheckpointError(RuntimeError):
@@ -69,6 +79,7 @@ class CheckpointInfo:
     path: Path | None = None
     hf_config: dict | None = None
     optimizer_restored: bool = False
+    trainer: str | None = None  # who wrote it: sft, rl, convert (None: before it was recorded)
 
 
 def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
@@ -188,7 +199,7 @@ def _orphan_safe_writer_queue() -> None:
 def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[torch.nn.Module], *,
                     optimizer=None, scheduler=None, extra: dict | None = None,
                     hf_config: dict | None = None, keep_last: int | None = None,
-                    sharded_strategy=None) -> Path:
+                    sharded_strategy=None, trainer: str | None = None) -> Path:
     """Save model (+ optimizer, scheduler, extra, per-rank RNG) as ``iter_XXXXXXX``.
 
     Collective over all ranks. Writes into a temp dir next to the final one, fsyncs,
@@ -197,6 +208,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
     ``sharded_strategy`` replaces megatron's default ``torch_dist`` writer (the converters
     pass one that produces the tensors of a meta-device model while writing; it writes in
     this process, so megatron's writer queue and its manager process are not started).
+    ``trainer`` (``sft``, ``rl``, ``convert``) is recorded in the meta: a trainer resumes only
+    its own checkpoints and takes the weights alone from the others'.
     """
     from megatron.core import dist_checkpointing
 
@@ -225,13 +238,14 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:
-        _publish(tmp, final, iteration, model_chunks, contents, hf_config, keep_last)
+        _publish(tmp, final, iteration, model_chunks, contents, hf_config, keep_last, trainer)
     _barrier()
     return final
 
 
 def _publish(tmp: Path, final: Path, iteration: int, model_chunks: list[torch.nn.Module],
-             contents: list[str], hf_config: dict | None, keep_last: int | None) -> None:
+             contents: list[str], hf_config: dict | None, keep_last: int | None,
+             trainer: str | None) -> None:
     """Rank 0: meta last, fsync, rename into place, move the marker, prune old ones."""
     for path in tmp.rglob("*"):
         if path.is_file():
@@ -239,7 +253,8 @@ def _publish(tmp: Path, final: Path, iteration: int, model_chunks: list[torch.nn
     dtype = next(unwrap_model(model_chunks[0]).parameters()).dtype
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **_layout(),
             "num_model_chunks": len(model_chunks), "params_dtype": str(dtype).replace("torch.", ""),
-            "contents": contents, "hf_config": hf_config, "files": _file_sizes(tmp),
+            "contents": contents, "hf_config": hf_config, "trainer": trainer,
+            "files": _file_sizes(tmp),
             "complete": True}
     _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
     if final.exists():  # re-saving an iteration: replace it only once the new one is whole
@@ -313,21 +328,40 @@ def _usable(path: Path) -> bool:
 
 
 # ---------------------------------------------------------------- load
+def check_same_model(path: Path, saved: dict | None, expected: dict | None) -> None:
+    """Raise :class:`CheckpointError` naming every architecture field (:data:`ARCH_FIELDS`)
+    on which the checkpoint's ``hf_config`` and the model's differ (skipped when either
+    side does not record its config)."""
+    if not saved or not expected:
+        return
+    old, new = qwen3_config_from_hf(saved), qwen3_config_from_hf(expected)
+    diffs = [f"{name} {getattr(old, k)} (checkpoint) vs {getattr(new, k)} (model)"
+             for k, name in ARCH_FIELDS.items() if getattr(old, k) != getattr(new, k)]
+    if diffs:
+        raise CheckpointError(f"{path}: holds a different model: {'; '.join(diffs)}; pass the "
+                              "--hf-checkpoint whose config.json the checkpoint was trained with")
+
+
 def load_checkpoint(load_dir: str | Path, model_chunks: list[torch.nn.Module], *,
-                    optimizer=None, scheduler=None, load_rng: bool = True
-                    ) -> CheckpointInfo | None:
+                    optimizer=None, scheduler=None, load_rng: bool = True,
+                    hf_config: dict | None = None) -> CheckpointInfo | None:
     """Restore the latest complete checkpoint under ``load_dir``; None when there is none.
 
     Model weights reshard to the current TP/PP layout; the optimizer (non-distributed)
     and scheduler are restored when given and present in the checkpoint; RNG states only
-    when the layout is unchanged. Collective over all ranks.
+    when the layout is unchanged. ``hf_config``, the model's config.json, must agree with
+    the checkpoint's on the tensor shapes (:func:`check_same_model`). Collective over all
+    ranks.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = find_latest_checkpoint(load_dir)
     if path is None:
         return None
     meta = read_meta(path)
+    check_same_model(path, meta.get("hf_config"), hf_config)
     if meta["num_model_chunks"] != len(model_chunks):
         raise CheckpointError(f"{path}: holds {meta['num_model_chunks']} model chunk(s), the "
                               f"model has {len(model_chunks)}; match "
@@ -336,7 +370,11 @@ def load_checkpoint(load_dir: str | Path, model_chunks: list[torch.nn.Module], *
     if optimizer is not None and "optimizer" in meta["contents"]:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
                                                           metadata=OPTIMIZER_METADATA)
-    loaded = dist_checkpointing.load(state, str(path))
+    try:
+        loaded = dist_checkpointing.load(state, str(path))
+    except (CheckpointingException, CheckpointException) as exc:  # shapes no config told apart
+        last = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or [type(exc).__name__]
+        raise CheckpointError(f"{path}: does not fit the model: {last[0].strip()}") from exc
     for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks):
         unwrap_model(chunk).load_state_dict(loaded[key])
     if "optimizer" in state:
@@ -349,4 +387,4 @@ def load_checkpoint(load_dir: str | Path, model_chunks: list[torch.nn.Module], *
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return CheckpointInfo(iteration=meta["iteration"], extra=loaded.get("extra", {}) or {},
                           path=path, hf_config=meta.get("hf_config"),
-                          optimizer_restored="optimizer" in state)
+                          optimizer_restored="optimizer" in state, trainer=meta.get("trainer"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -179,7 +180,8 @@ class Engine:
         self.gather_params()
         save_checkpoint(self.cfg.save, step, self.model, optimizer=self.optimizer,
                         scheduler=self.scheduler, extra={**extra, "config": to_dict(self.cfg)},
-                        hf_config=self.arch.hf_config, keep_last=self.cfg.keep_last)
+                        hf_config=self.arch.hf_config, keep_last=self.cfg.keep_last,
+                        trainer=type(self.cfg).trainer_name)
 
     def export_hf(self, out_dir: str, tokenizer_dir: str | None = None) -> None:
         """Write the model in Hugging Face format (collective; any TP/PP)."""
@@ -361,30 +363,86 @@ def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = Tr
 
 
 def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
-    """Resume from ``--load`` when it holds a checkpoint, else load ``--hf-checkpoint`` weights.
+    """Resume from a checkpoint of this trainer, else take a checkpoint's or HF weights.
+
+    An own checkpoint under ``--load`` (unless ``--finetune``), else under ``--save`` (a
+    restarted job), resumes: weights, optimizer and schedule (unless ``--no-load-optim``),
+    RNG (unless ``--no-load-rng``) and the data position in ``extra``. A checkpoint of
+    another trainer or of the converter, or any one with ``--finetune``, gives the weights
+    only (one log line says so) and the run starts at step 0. Without a checkpoint the
+    ``--hf-checkpoint`` weights are loaded.
 
     Returns the :class:`~megatron_klear.checkpoint.state.CheckpointInfo` of a resumed run,
-    or None for a fresh start.
+    or None for a run that starts at step 0.
     """
     from megatron_klear.checkpoint.hf_io import SafetensorsReader
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
     from megatron_klear.checkpoint.state import load_checkpoint
 
     cfg = engine.cfg
-    for src in (cfg.load, cfg.save):  # a restarted job resumes from its own --save dir
-        if src:
-            info = load_checkpoint(src, engine.model,
-                                   optimizer=engine.optimizer if with_optimizer else None,
-                                   scheduler=engine.scheduler if with_optimizer else None)
-            if info is not None:
-                if with_optimizer:
-                    _after_weight_load(engine, info.optimizer_restored)
-                return info
+    src, resume = pick_checkpoint(cfg)
+    if src is not None:
+        restore = resume and not cfg.no_load_optim and with_optimizer
+        info = load_checkpoint(src, engine.model,
+                               optimizer=engine.optimizer if restore else None,
+                               scheduler=engine.scheduler if restore else None,
+                               load_rng=resume and not cfg.no_load_rng,
+                               hf_config=engine.arch.hf_config)
+        if with_optimizer:
+            _after_weight_load(engine, info.optimizer_restored)
+        if resume:
+            return info
+        if dist.get_rank() == 0:
+            print(f"[load] {info.path}: {_weights_only_reason(cfg, info)}: took its weights "
+                  "only; starting at step 0 with a fresh optimizer, LR schedule and data "
+                  "cursor", file=sys.stderr, flush=True)
+        return None
     if cfg.hf_checkpoint:
         load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
         if with_optimizer:
             _after_weight_load(engine, optimizer_restored=False)
     return None
+
+
+def pick_checkpoint(cfg: TrainConfig) -> tuple[str | None, bool]:
+    """(directory to load, whether to resume from it) for :func:`restore_or_init`.
+
+    Resumes an own checkpoint under ``--load`` (not with ``--finetune``), then one under
+    ``--save`` when that is another directory (the job restarted after it saved); otherwise
+    the weights of ``--load``'s (or ``--save``'s) checkpoint, whoever wrote it.
+    """
+    from megatron_klear.checkpoint.state import find_latest_checkpoint, read_meta
+
+    found = {}
+    for src in dict.fromkeys(s for s in (cfg.load, cfg.save) if s):
+        path = find_latest_checkpoint(src)
+        if path is not None:
+            found[src] = is_own_checkpoint(read_meta(path), cfg)
+    if found.get(cfg.load) and not cfg.finetune:
+        return cfg.load, True
+    if cfg.save != cfg.load and found.get(cfg.save):
+        return cfg.save, True
+    return next(iter(found), None), False
+
+
+def is_own_checkpoint(meta: dict, cfg: TrainConfig) -> bool:
+    """Whether a checkpoint (its meta) was written by the trainer that ``cfg`` drives.
+
+    Checkpoints saved before the trainer was recorded count as own unless they are the
+    converter's (iteration 0), as before.
+    """
+    if meta.get("trainer") is None:
+        return meta["iteration"] > 0
+    return meta["trainer"] == type(cfg).trainer_name
+
+
+def _weights_only_reason(cfg: TrainConfig, info) -> str:
+    """Why :func:`restore_or_init` took only the weights of a checkpoint (for its log line)."""
+    if info.trainer == type(cfg).trainer_name or (info.trainer is None and info.iteration):
+        return "--finetune"
+    writer = "the HF -> Megatron converter" if info.trainer == "convert" or info.iteration == 0 \
+        else f"klear-{info.trainer}"
+    return f"written by {writer} (iteration {info.iteration}), not by klear-{type(cfg).trainer_name}"
 
 
 def _after_weight_load(engine: Engine, optimizer_restored: bool) -> None:

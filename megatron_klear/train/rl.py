@@ -43,6 +43,8 @@ INFLIGHT_PAUSE_MODES = {"pause_in_place": "in_place", "pause_retract": "retract"
 class RLConfig(TrainConfig):
     """GPPO RL settings (plus every shared trainer flag). Defaults follow Klear-Reasoner."""
 
+    trainer_name = "rl"  # recorded in its checkpoints (not a flag)
+
     prompt_data: str | None = opt(None, "RL prompts: JSONL or Parquet")
     prompt_key: str = opt("prompt", "prompt field")
     prompt_template: str | None = opt(None, "prompt rendering: chat (the tokenizer's chat "

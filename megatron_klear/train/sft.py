@@ -31,6 +31,8 @@ from megatron_klear.train.token_loss import token_nll
 class SFTConfig(TrainConfig):
     """SFT settings (plus every shared trainer flag)."""
 
+    trainer_name = "sft"  # recorded in its checkpoints (not a flag)
+
     data_path: str | None = opt(None, "SFT data: JSONL or Parquet of prompt/response or messages")
     prompt_key: str = opt("prompt", "prompt field of a record")
     response_key: str = opt("response", "response field of a record")
