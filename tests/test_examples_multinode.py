@@ -1,13 +1,18 @@
 """The example scripts as multi-node jobs, and the README's Usage run as written.
 
-Each ``examples/*/run_*.sh`` is launched the way its header says, as 2 "nodes" on this host:
-two launches of the script with ``NNODES=2``, ``NODE_RANK`` 0 and 1, ``MASTER_ADDR=127.0.0.1``,
-a free ``MASTER_PORT`` and ``GPUS_PER_NODE=1``, one process each, the pipeline stages split
-across the nodes (PP=2; the MoE recipe splits its experts across them, EP=2). The model is a
-tiny Qwen3 built here; the recipe YAML's GPU-only settings (Transformer Engine, bf16, sequence
-parallel, optimizer offload) and its sizes are overridden on the command line after
-``--config``, which is itself under test: the runs' metrics show the command line's values
-where they differ from the YAML, and the YAML's where the command line is silent.
+The recipe scripts (klear_8b SFT -> math RL -> code RL, qwen3_32b SFT -> RL, qwen3_30b_a3b
+MoE RL) are launched the way their headers say, as 2 "nodes" on this host: two launches of
+the script with ``NNODES=2``, ``NODE_RANK`` 0 and 1, ``MASTER_ADDR=127.0.0.1``, a free
+``MASTER_PORT`` and ``GPUS_PER_NODE=1``, one process each, the pipeline stages split across
+the nodes (PP=2; the MoE recipe splits its experts across them instead, EP=2).
+single_node_8gpu/run_rl.sh is one node, as its header says (2 training ranks, PP=2).
+(uneven_pp_94_layers is left to its dry run in test_examples.py and to
+test_pipeline_layouts.py, to keep this tier short.)
+
+The model is a tiny Qwen3 built here; the recipe YAML's GPU-only settings (Transformer
+Engine, bf16, sequence parallel, optimizer offload) and its sizes are overridden on the
+command line after ``--config``, which is itself under test: the runs' metrics show the
+command line's values where they differ from the YAML, and the YAML's where it is silent.
 
 Rollout servers are started the way ``examples/klear_8b/launch_sglang.sh`` starts them (its
 ``--dry-run`` prints the commands and URLs: same model, same ports), as embedded CPU servers
@@ -64,19 +69,21 @@ def node_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch_two_nodes(script: Path, args: list[str], log_dir: Path, **env: str) -> None:
-    """Run ``bash script args`` as node 0 and node 1 of a 2-node job on this host; fail with
-    the logs' tails when a node exits non-zero or the job outlives LAUNCH_TIMEOUT_S."""
+def launch_nodes(script: Path, args: list[str], log_dir: Path, nodes: int = 2, **env: str
+                 ) -> None:
+    """Run ``bash script args`` as node 0 .. nodes-1 of a job on this host (one process per
+    node unless the script says otherwise); fail with the logs' tails when a node exits
+    non-zero or the job outlives LAUNCH_TIMEOUT_S."""
     port = str(free_port())
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
-    for rank in (0, 1):
+    for rank in range(nodes):
         log = log_dir / f"{script.parent.name}_{script.stem}_node{rank}.log"
         logs.append(log)
         procs.append(subprocess.Popen(
             ["bash", str(script), *args], cwd=ROOT, start_new_session=True,
             stdout=log.open("w"), stderr=subprocess.STDOUT,
-            env=node_env(NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+            env=node_env(NNODES=str(nodes), NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                          MASTER_PORT=port, GPUS_PER_NODE="1", **env)))
     wait_all(procs, logs)
 
@@ -187,9 +194,9 @@ def _sft_metrics_follow_cli_over_yaml(save: Path, yaml_min_lr: float) -> None:
 # ---------------------------------------------------------------- klear_8b: SFT -> math RL -> code RL
 @pytest.fixture(scope="module")
 def klear_sft(tiny):
-    """examples/klear_8b/run_sft.sh as 2 nodes (PP=2): OUT/sft and OUT/sft_hf."""
+    """examples/klear_8b/run_sft.sh as 2 nodes (its YAML's PP=2): OUT/sft and OUT/sft_hf."""
     out = tiny["root"] / "klear-8b"
-    launch_two_nodes(EXAMPLES / "klear_8b" / "run_sft.sh", CPU + PP2 + SFT, tiny["logs"],
+    launch_nodes(EXAMPLES / "klear_8b" / "run_sft.sh", CPU + SFT, tiny["logs"],
                      MODEL=str(tiny["base"]), SFT_DATA=str(tiny["data"]["sft"]), OUT=str(out))
     return out
 
@@ -200,8 +207,8 @@ def test_klear_8b_sft_takes_the_command_line_over_the_yaml(tiny, klear_sft):
 
 
 def _run_rl_math(tiny, out: Path, urls: list[str], *extra: str) -> None:
-    launch_two_nodes(EXAMPLES / "klear_8b" / "run_rl_math.sh",
-                     CPU + PP2 + RL + ["--eval-interval", "1", "--eval-k", "1", *extra],
+    launch_nodes(EXAMPLES / "klear_8b" / "run_rl_math.sh",
+                     CPU + RL + ["--eval-interval", "1", "--eval-k", "1", *extra],
                      tiny["logs"], OUT=str(out), MATH_DATA=str(tiny["data"]["rl"]),
                      EVAL_DATA=str(tiny["data"]["eval"]), ROLLOUT_URLS=" ".join(urls))
 
@@ -243,7 +250,7 @@ def test_klear_8b_code_rl_from_the_math_rl_checkpoint(tiny, klear_sft):
     if not (klear_sft / "rl_math_hf").is_dir():
         pytest.fail("needs test_klear_8b_math_rl_from_the_sft_checkpoint_resumes's outputs")
     with servers_like_launch_sglang(klear_sft / "rl_math_hf", 1, tiny["logs"] / "servers") as urls:
-        launch_two_nodes(EXAMPLES / "klear_8b" / "run_rl_code.sh", CPU + PP2 + RL, tiny["logs"],
+        launch_nodes(EXAMPLES / "klear_8b" / "run_rl_code.sh", CPU + RL, tiny["logs"],
                          OUT=str(klear_sft), CODE_DATA=str(tiny["data"]["code"]),
                          ROLLOUT_URLS=" ".join(urls))
     (m,) = read_metrics(klear_sft / "rl_code" / "metrics.jsonl")
@@ -258,14 +265,9 @@ def test_single_node_8gpu_rl_on_one_node(tiny, klear_sft):
     ranks as 2 pipeline stages, rolling out on the servers given in ROLLOUT_URLS."""
     out = tiny["root"] / "one-node"
     with servers_like_launch_sglang(klear_sft / "sft_hf", 1, tiny["logs"] / "servers") as urls:
-        proc = subprocess.Popen(
-            ["bash", str(EXAMPLES / "single_node_8gpu" / "run_rl.sh"), *CPU, *PP2, *RL],
-            cwd=ROOT, start_new_session=True, stdout=(log := tiny["logs"] / "one_node.log").open("w"),
-            stderr=subprocess.STDOUT,
-            env=node_env(MODEL=str(klear_sft / "sft_hf"), DATA=str(tiny["data"]["rl"]),
-                         OUT=str(out), TRAIN_GPUS="2", ROLLOUT_URLS=" ".join(urls),
-                         MASTER_PORT=str(free_port())))
-        wait_all([proc], [log])
+        launch_nodes(EXAMPLES / "single_node_8gpu" / "run_rl.sh", CPU + PP2 + RL, tiny["logs"],
+                     nodes=1, TRAIN_GPUS="2", MODEL=str(klear_sft / "sft_hf"),
+                     DATA=str(tiny["data"]["rl"]), OUT=str(out), ROLLOUT_URLS=" ".join(urls))
     (m,) = read_metrics(out / "metrics.jsonl")
     assert m["step"] == 1 and m["lr"] == RL_LR and m["weight_sync/probe_max_abs_diff"] < 1e-4
     assert checkpoints(out) == [1]
@@ -275,11 +277,11 @@ def test_qwen3_32b_sft_then_rl_from_its_checkpoint(tiny):
     """qwen3_32b: run_sft.sh, then run_rl.sh --load OUT/sft (its rl.yaml is TP8 x PP1; here
     PP=2 across the nodes)."""
     out = tiny["root"] / "qwen3-32b"
-    launch_two_nodes(EXAMPLES / "qwen3_32b" / "run_sft.sh", CPU + PP2 + SFT, tiny["logs"],
+    launch_nodes(EXAMPLES / "qwen3_32b" / "run_sft.sh", CPU + PP2 + SFT, tiny["logs"],
                      MODEL=str(tiny["base"]), SFT_DATA=str(tiny["data"]["sft"]), OUT=str(out))
     _sft_metrics_follow_cli_over_yaml(out / "sft", yaml_min_lr=2.5e-5)
     with servers_like_launch_sglang(out / "sft_hf", 1, tiny["logs"] / "servers") as urls:
-        launch_two_nodes(EXAMPLES / "qwen3_32b" / "run_rl.sh", CPU + PP2 + RL, tiny["logs"],
+        launch_nodes(EXAMPLES / "qwen3_32b" / "run_rl.sh", CPU + PP2 + RL, tiny["logs"],
                          OUT=str(out), MATH_DATA=str(tiny["data"]["rl"]),
                          ROLLOUT_URLS=" ".join(urls))
     (m,) = read_metrics(out / "rl_math" / "metrics.jsonl")
@@ -292,7 +294,7 @@ def test_qwen3_30b_a3b_moe_rl_experts_across_the_nodes(tiny):
     experts; every expert reaches the server once per sync and the probe agrees."""
     out = tiny["root"] / "qwen3-30b-a3b"
     with servers_like_launch_sglang(tiny["moe"], 1, tiny["logs"] / "servers") as urls:
-        launch_two_nodes(EXAMPLES / "qwen3_30b_a3b" / "run_rl.sh",
+        launch_nodes(EXAMPLES / "qwen3_30b_a3b" / "run_rl.sh",
                          CPU + RL + ["--expert-model-parallel-size", "2",
                                      "--no-optimizer-cpu-offload"],
                          tiny["logs"], MODEL=str(tiny["moe"]), OUT=str(out),
@@ -302,19 +304,6 @@ def test_qwen3_30b_a3b_moe_rl_experts_across_the_nodes(tiny):
     n_bytes = sum(t.numel() * t.element_size() for t in hf_tensors(tiny["moe"]).values())
     assert m["weight_sync/bytes"] == n_bytes  # all 4 experts of every layer, from both nodes
     assert hf_tensors(out / "rl_math_hf").keys() == hf_tensors(tiny["moe"]).keys()
-
-
-def test_uneven_pp_moe_sft_across_the_nodes(tiny):
-    """uneven_pp_94_layers/run_sft.sh on the tiny MoE's 4 layers: 3 + 1 stages (its YAML's
-    --decoder-last-pipeline-num-layers 22 replaced on the command line)."""
-    out = tiny["root"] / "uneven"
-    launch_two_nodes(EXAMPLES / "uneven_pp_94_layers" / "run_sft.sh",
-                     CPU + PP2 + SFT + ["--decoder-last-pipeline-num-layers", "1",
-                                        "--expert-model-parallel-size", "1",
-                                        "--no-optimizer-cpu-offload"],
-                     tiny["logs"], MODEL=str(tiny["moe"]), SFT_DATA=str(tiny["data"]["sft"]),
-                     OUT=str(out))
-    _sft_metrics_follow_cli_over_yaml(out / "sft", yaml_min_lr=1e-6)
 
 
 # ---------------------------------------------------------------- README.md ## Usage
