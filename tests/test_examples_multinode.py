@@ -191,13 +191,13 @@ def _sft_metrics_follow_cli_over_yaml(save: Path, yaml_min_lr: float) -> None:
     assert checkpoints(save) == [SFT_ITERS]
 
 
-# ---------------------------------------------------------------- klear_8b: SFT -> math RL -> code RL
+# ---------------------------------------------------------- klear_8b: SFT -> math RL -> code RL
 @pytest.fixture(scope="module")
 def klear_sft(tiny):
     """examples/klear_8b/run_sft.sh as 2 nodes (its YAML's PP=2): OUT/sft and OUT/sft_hf."""
     out = tiny["root"] / "klear-8b"
     launch_nodes(EXAMPLES / "klear_8b" / "run_sft.sh", CPU + SFT, tiny["logs"],
-                     MODEL=str(tiny["base"]), SFT_DATA=str(tiny["data"]["sft"]), OUT=str(out))
+                 MODEL=str(tiny["base"]), SFT_DATA=str(tiny["data"]["sft"]), OUT=str(out))
     return out
 
 
@@ -208,9 +208,9 @@ def test_klear_8b_sft_takes_the_command_line_over_the_yaml(tiny, klear_sft):
 
 def _run_rl_math(tiny, out: Path, urls: list[str], *extra: str) -> None:
     launch_nodes(EXAMPLES / "klear_8b" / "run_rl_math.sh",
-                     CPU + RL + ["--eval-interval", "1", "--eval-k", "1", *extra],
-                     tiny["logs"], OUT=str(out), MATH_DATA=str(tiny["data"]["rl"]),
-                     EVAL_DATA=str(tiny["data"]["eval"]), ROLLOUT_URLS=" ".join(urls))
+                 CPU + RL + ["--eval-interval", "1", "--eval-k", "1", *extra],
+                 tiny["logs"], OUT=str(out), MATH_DATA=str(tiny["data"]["rl"]),
+                 EVAL_DATA=str(tiny["data"]["eval"]), ROLLOUT_URLS=" ".join(urls))
 
 
 def test_klear_8b_math_rl_from_the_sft_checkpoint_resumes(tiny, klear_sft):
@@ -251,8 +251,8 @@ def test_klear_8b_code_rl_from_the_math_rl_checkpoint(tiny, klear_sft):
         pytest.fail("needs test_klear_8b_math_rl_from_the_sft_checkpoint_resumes's outputs")
     with servers_like_launch_sglang(klear_sft / "rl_math_hf", 1, tiny["logs"] / "servers") as urls:
         launch_nodes(EXAMPLES / "klear_8b" / "run_rl_code.sh", CPU + RL, tiny["logs"],
-                         OUT=str(klear_sft), CODE_DATA=str(tiny["data"]["code"]),
-                         ROLLOUT_URLS=" ".join(urls))
+                     OUT=str(klear_sft), CODE_DATA=str(tiny["data"]["code"]),
+                     ROLLOUT_URLS=" ".join(urls))
     (m,) = read_metrics(klear_sft / "rl_code" / "metrics.jsonl")
     assert m["step"] == 1 and m["lr"] == RL_LR and checkpoints(klear_sft / "rl_code") == [1]
     assert 0.0 <= m["rollout/reward_mean"] <= 1.0 and m["weight_sync/probe_max_abs_diff"] < 1e-4
@@ -278,12 +278,12 @@ def test_qwen3_32b_sft_then_rl_from_its_checkpoint(tiny):
     PP=2 across the nodes)."""
     out = tiny["root"] / "qwen3-32b"
     launch_nodes(EXAMPLES / "qwen3_32b" / "run_sft.sh", CPU + PP2 + SFT, tiny["logs"],
-                     MODEL=str(tiny["base"]), SFT_DATA=str(tiny["data"]["sft"]), OUT=str(out))
+                 MODEL=str(tiny["base"]), SFT_DATA=str(tiny["data"]["sft"]), OUT=str(out))
     _sft_metrics_follow_cli_over_yaml(out / "sft", yaml_min_lr=2.5e-5)
     with servers_like_launch_sglang(out / "sft_hf", 1, tiny["logs"] / "servers") as urls:
         launch_nodes(EXAMPLES / "qwen3_32b" / "run_rl.sh", CPU + PP2 + RL, tiny["logs"],
-                         OUT=str(out), MATH_DATA=str(tiny["data"]["rl"]),
-                         ROLLOUT_URLS=" ".join(urls))
+                     OUT=str(out), MATH_DATA=str(tiny["data"]["rl"]),
+                     ROLLOUT_URLS=" ".join(urls))
     (m,) = read_metrics(out / "rl_math" / "metrics.jsonl")
     assert m["step"] == 1 and m["lr"] == RL_LR and m["weight_sync/probe_max_abs_diff"] < 1e-4
     assert max_abs_diff(out / "rl_math_hf", out / "sft_hf") < 1e-5  # started from the SFT
@@ -295,10 +295,10 @@ def test_qwen3_30b_a3b_moe_rl_experts_across_the_nodes(tiny):
     out = tiny["root"] / "qwen3-30b-a3b"
     with servers_like_launch_sglang(tiny["moe"], 1, tiny["logs"] / "servers") as urls:
         launch_nodes(EXAMPLES / "qwen3_30b_a3b" / "run_rl.sh",
-                         CPU + RL + ["--expert-model-parallel-size", "2",
-                                     "--no-optimizer-cpu-offload"],
-                         tiny["logs"], MODEL=str(tiny["moe"]), OUT=str(out),
-                         MATH_DATA=str(tiny["data"]["rl"]), ROLLOUT_URLS=" ".join(urls))
+                     CPU + RL + ["--expert-model-parallel-size", "2",
+                                 "--no-optimizer-cpu-offload"],
+                     tiny["logs"], MODEL=str(tiny["moe"]), OUT=str(out),
+                     MATH_DATA=str(tiny["data"]["rl"]), ROLLOUT_URLS=" ".join(urls))
     (m,) = read_metrics(out / "rl_math" / "metrics.jsonl")
     assert m["step"] == 1 and m["lr"] == RL_LR and m["weight_sync/probe_max_abs_diff"] < 1e-4
     n_bytes = sum(t.numel() * t.element_size() for t in hf_tensors(tiny["moe"]).values())
