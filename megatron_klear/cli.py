@@ -19,7 +19,13 @@ def bad_input_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_main(fn: Callable[[], Any]) -> Any:
-    """Run ``fn``; a bad-input error prints one clear line and exits with status 2."""
+    """Run ``fn``; a bad-input error prints one clear line and exits with status 2.
+
+    Under torchrun the process (and its process group) ends when the launcher dies.
+    """
+    from megatron_klear.orphans import exit_with_launcher
+
+    exit_with_launcher()
     errors = bad_input_errors()
     try:
         return fn()

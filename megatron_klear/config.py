@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "TrainConfig", "parse_config", "flag", "to_dict"]
+__all__ = ["ConfigError", "TrainConfig", "parse_config", "flag", "to_dict", "LAYOUT_FIELDS",
+           "add_layout_flags", "parallel_layout", "layout_from_args"]
 
 T = TypeVar("T", bound="TrainConfig")
 
@@ -254,26 +255,31 @@ def _base_type(tp: Any) -> Any:
     return args[0] if args else tp
 
 
+def _add_flag(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any,
+              default: Any = argparse.SUPPRESS, aliases: Sequence[str] = ()) -> None:
+    """Add the flag of config field ``f`` (type hint ``hint``) to ``parser``."""
+    tp = _base_type(hint)
+    kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", ""), "default": default}
+    if tp is bool:  # --foo / --no-foo; a field named no_foo is a plain switch (--no-foo)
+        parser.add_argument(flag(f.name), *aliases, action="store_true"
+                            if f.name.startswith("no_") else argparse.BooleanOptionalAction, **kw)
+        return
+    if typing.get_origin(tp) is list:
+        kw.update(nargs="+", type=typing.get_args(tp)[0])
+    else:
+        kw["type"] = tp
+    if f.metadata.get("choices"):
+        kw["choices"] = f.metadata["choices"]
+    parser.add_argument(flag(f.name), *aliases, **kw)
+
+
 def _build_parser(cls: type[TrainConfig], prog: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", help="YAML file of defaults (flags override it)")
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        tp = _base_type(hints[f.name])
-        kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", ""),
-                              "default": argparse.SUPPRESS}
-        if tp is bool:  # --foo / --no-foo; a field named no_foo is a plain switch (--no-foo)
-            parser.add_argument(flag(f.name), action="store_true" if f.name.startswith("no_")
-                                else argparse.BooleanOptionalAction, **kw)
-            continue
-        if typing.get_origin(tp) is list:
-            kw.update(nargs="+", type=typing.get_args(tp)[0])
-        else:
-            kw["type"] = tp
-        if f.metadata.get("choices"):
-            kw["choices"] = f.metadata["choices"]
-        parser.add_argument(flag(f.name), **kw)
+        _add_flag(parser, f, hints[f.name])
     return parser
 
 
@@ -320,3 +326,43 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | No
 def to_dict(cfg: TrainConfig) -> dict:
     """The config as a plain dict (saved with checkpoints and metrics)."""
     return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------- the tools' layout flags
+# The parallel layout of a model, as the trainers take it: the tools (converters,
+# compare_logits, klear-eval) add exactly these TrainConfig flags, so one layout given to a
+# trainer is accepted everywhere (issue 28).
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "num_layers_per_virtual_pipeline_stage", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size")
+_LAYOUT_ALIASES = {"tensor_model_parallel_size": ("--tp",),
+                   "pipeline_model_parallel_size": ("--pp",)}
+
+
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """Add TrainConfig's layout flags (:data:`LAYOUT_FIELDS`: names, types, defaults and help
+    as the trainers have them) to a tool's parser, with ``--tp`` / ``--pp`` as short forms."""
+    group = parser.add_argument_group("parallel layout (as the trainers take it)")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in LAYOUT_FIELDS:
+            _add_flag(group, f, hints[f.name], default=f.default,
+                      aliases=_LAYOUT_ALIASES.get(f.name, ()))
+
+
+def parallel_layout(**values: Any) -> TrainConfig:
+    """A validated TrainConfig that holds the layout ``values`` (:data:`LAYOUT_FIELDS`; every
+    other field at its default): what :class:`~megatron_klear.models.pipeline_layout.
+    PipelineLayout` and the engine's model builder read."""
+    unknown = sorted(set(values) - set(LAYOUT_FIELDS))
+    if unknown:
+        raise TypeError(f"not layout fields: {unknown}")
+    cfg = TrainConfig(**values)
+    cfg.validate()
+    return cfg
+
+
+def layout_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The :func:`parallel_layout` of a tool's flags parsed with :func:`add_layout_flags`."""
+    return parallel_layout(**{name: getattr(args, name) for name in LAYOUT_FIELDS})

@@ -9,6 +9,10 @@ Two mechanisms, one per side of the fork:
 * :func:`exit_when_orphaned` -- called inside a long-lived child (the math-verifier workers,
   which reward threads start, and the embedded rollout server): a daemon thread exits the
   process once its parent is gone (it has been re-parented).
+
+:func:`exit_with_launcher` applies the second to every console script run under torchrun,
+whose agent starts each worker in a session of its own: a SIGKILLed agent would otherwise
+leave its ranks (and what they started) running.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import signal
 import threading
 import time
 
-__all__ = ["die_with_parent", "exit_when_orphaned"]
+__all__ = ["die_with_parent", "exit_when_orphaned", "exit_with_launcher"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -32,13 +36,36 @@ def die_with_parent() -> None:
         pass
 
 
-def exit_when_orphaned(poll_s: float = 1.0, code: int = 0) -> None:
-    """Exit this process (``os._exit``) within ``poll_s`` of its parent's death."""
+def exit_when_orphaned(poll_s: float = 1.0, code: int = 0, *, kill_group: bool = False) -> None:
+    """Exit this process (``os._exit``) within ``poll_s`` of its parent's death.
+
+    ``kill_group``: SIGKILL this process's whole process group instead (it must lead the
+    group), which takes the children it started in the group along at once.
+    """
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
+        if kill_group:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         os._exit(code)
 
     threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
+
+
+def exit_with_launcher(poll_s: float = 1.0) -> bool:
+    """Under torchrun, end this rank and the process group it leads once the agent dies.
+
+    torchrun starts each worker with ``start_new_session``, so the agent's death signals
+    nobody. Only torchrun workers (``TORCHELASTIC_RUN_ID`` set) are watched: a script run
+    from a shell keeps running when that shell goes away (nohup). The group takes the
+    rank's in-group children (math-verifier workers, megatron's writer manager); the
+    rollout and SGLang servers, which have sessions of their own, follow through their
+    parent-death signal (:func:`die_with_parent`) and their own :func:`exit_when_orphaned`.
+    Returns whether a watchdog was started.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    exit_when_orphaned(poll_s, code=1, kill_group=os.getpgrp() == os.getpid())
+    return True

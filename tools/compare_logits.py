@@ -1,6 +1,10 @@
 """Logit parity between transformers' Qwen3 (fp32, eager) and a Megatron checkpoint.
 
     torchrun --nproc-per-node 2 tools/compare_logits.py --hf-dir hf --megatron-dir ckpt --tp 2
+    torchrun --nproc-per-node 2 tools/compare_logits.py ... --pp 2 \
+        --decoder-first-pipeline-num-layers 1
+
+The model runs at the layout given by the trainer's layout flags (uneven stages, VPP, EP).
 
 Prints the max absolute logit difference; exits 1 when it exceeds --tolerance.
 """
@@ -12,23 +16,30 @@ import argparse
 from _cli import run_cli
 
 
-def main() -> int:
-    import torch.distributed as dist
-
-    from megatron_klear.checkpoint.convert import compare_logits
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of this tool (the layout ones shared with the trainers)."""
+    from megatron_klear.config import add_layout_flags
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="HF model dir (the reference)")
     p.add_argument("--megatron-dir", required=True, help="Megatron checkpoint dir")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to run at")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to run at")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |dlogit|")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    a = p.parse_args()
-    diff = compare_logits(a.hf_dir, a.megatron_dir, tp=a.tp, pp=a.pp, batch_size=a.batch_size,
-                          seq_length=a.seq_length, seed=a.seed)
+    add_layout_flags(p)
+    return p
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from megatron_klear.checkpoint.convert import compare_logits
+    from megatron_klear.config import layout_from_args
+
+    a = build_parser().parse_args()
+    diff = compare_logits(a.hf_dir, a.megatron_dir, layout=layout_from_args(a),
+                          batch_size=a.batch_size, seq_length=a.seq_length, seed=a.seed)
     ok = diff <= a.tolerance
     if dist.get_rank() == 0:
         print(f"max_abs_logit_diff={diff:.3e} tolerance={a.tolerance:.1e} "

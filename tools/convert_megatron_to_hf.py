@@ -6,7 +6,8 @@
 Writes sharded safetensors + model.safetensors.index.json + config.json (+ the tokenizer
 files of --hf-config), vocab padding stripped, tied embeddings as in the HF config.
 Shards are planned up front and filled one parameter at a time; N torchrun processes
-write different shards.
+write different shards. The trainer's layout flags are accepted (a launch script can pass
+its layout to every tool) and only checked against the model: the output has no layout.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import argparse
 from _cli import run_cli
 
 
-def main() -> None:
-    from megatron_klear.checkpoint.convert import DTYPE_CHOICES, convert_megatron_to_hf
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of this tool (the layout ones shared with the trainers)."""
+    from megatron_klear.checkpoint.convert import DTYPE_CHOICES
+    from megatron_klear.config import add_layout_flags
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint dir (its latest complete iteration)")
@@ -31,9 +34,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="shards written at once per process (each holds one parameter)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out-dir")
-    a = p.parse_args()
+    add_layout_flags(p)
+    return p
+
+
+def main() -> None:
+    from megatron_klear.checkpoint.convert import convert_megatron_to_hf
+    from megatron_klear.config import layout_from_args
+
+    a = build_parser().parse_args()
     out = convert_megatron_to_hf(a.load, a.out_dir, hf_config_dir=a.hf_config,
-                                 overwrite=a.overwrite,
+                                 overwrite=a.overwrite, layout=layout_from_args(a),
                                  max_shard_bytes=int(a.max_shard_size_gb * 2**30),
                                  dtype=a.dtype, threads=a.threads)
     print(f"wrote {out}")

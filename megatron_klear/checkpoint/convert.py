@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import math
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,9 @@ from megatron_klear.checkpoint.hf_io import (ConversionError, SafetensorsReader,
                                              tmp_dir, write_index)
 from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint, read_meta,
                                              save_checkpoint)
+from megatron_klear.config import TrainConfig, parallel_layout
 from megatron_klear.models import qwen3
+from megatron_klear.models.pipeline_layout import PipelineLayout
 
 __all__ = ["ConversionError", "DTYPES", "DTYPE_CHOICES", "convert_hf_to_megatron",
            "convert_megatron_to_hf", "compare_logits", "megatron_logits", "hf_logits",
@@ -58,16 +61,20 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def init_parallel(tp: int, pp: int, seed: int = 1234) -> None:
+def init_parallel(tp: int, pp: int, seed: int = 1234, *, vpp: int | None = None, ep: int = 1,
+                  etp: int | None = None) -> None:
     """torch.distributed (on a free port when not under torchrun) + megatron parallel state
-    with exactly ``tp * pp`` processes."""
+    with exactly the processes of one model replica: ``tp * pp``, or with expert
+    parallelism (carved out of data parallelism) ``pp * lcm(tp, ep * etp)``."""
     from megatron_klear.train.engine import initialize_parallel
 
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    if world != tp * pp:
-        raise ConversionError(f"--tp {tp} x --pp {pp} needs {tp * pp} processes, got {world}; "
-                              f"launch with torchrun --nproc-per-node {tp * pp}")
-    initialize_parallel(tp, pp, seed)
+    need = pp * math.lcm(tp, ep * (etp or tp))
+    if world != need:
+        experts = f" with --expert-model-parallel-size {ep}" if ep > 1 else ""
+        raise ConversionError(f"--tp {tp} x --pp {pp}{experts} needs {need} processes, got "
+                              f"{world}; launch with torchrun --nproc-per-node {need}")
+    initialize_parallel(tp, pp, seed, vpp=vpp, ep=ep, etp=etp)
 
 
 def _init_conversion() -> None:
@@ -90,12 +97,27 @@ def build_model(arch: qwen3.Qwen3Arch, dtype: torch.dtype = torch.float32) -> to
     return qwen3.build_gpt_model(arch, config).eval()
 
 
-def _check_layout(arch: qwen3.Qwen3Arch, tp: int, pp: int) -> None:
+def _check_layout(arch: qwen3.Qwen3Arch, layout: TrainConfig) -> PipelineLayout:
+    """The pipeline split of the layout flags for this model; :class:`ConversionError`
+    naming the flags when they cannot split it (as the trainer would refuse them)."""
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    ep = layout.expert_model_parallel_size
     try:
-        qwen3.check_parallel_layout(arch, tp, pp)
+        pipeline = qwen3.check_parallel_layout(arch, tp, pp,
+                                               PipelineLayout.from_config(arch.num_layers, layout))
+        if arch.is_moe and arch.num_experts % ep:
+            raise qwen3.ConfigError(f"--expert-model-parallel-size {ep} does not divide "
+                                    f"num_experts={arch.num_experts}")
     except qwen3.ConfigError as exc:
         raise ConversionError(f"--tp {tp} / --pp {pp}: {exc}; choose sizes that divide the "
                               "model") from exc
+    return pipeline
+
+
+def _layout(layout: TrainConfig | None, tp: int, pp: int) -> TrainConfig:
+    """``layout`` (all the trainer's layout flags), else the plain ``tp`` x ``pp`` one."""
+    return layout or parallel_layout(tensor_model_parallel_size=tp,
+                                     pipeline_model_parallel_size=pp)
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
@@ -140,10 +162,12 @@ def _progress(total: int, desc: str) -> tqdm:
 @_frozen_gc
 def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1,
                            dtype: str = "auto", overwrite: bool = False,
-                           threads: int = 1) -> Path:
+                           threads: int = 1, layout: TrainConfig | None = None) -> Path:
     """Convert an HF Qwen3 directory into a Megatron ``torch_dist`` checkpoint (iteration 0).
 
-    Checks that ``tp``/``pp`` split the model; the result loads at any layout. Collective
+    Checks that ``tp``/``pp`` (or the trainer's whole ``layout``: uneven stages, VPP, EP,
+    see :func:`~megatron_klear.config.add_layout_flags`) split the model; the result loads at
+    any layout. Collective
     over all ranks (any number: each writes its share, ``threads`` files at a time; one
     thread keeps peak memory at one tensor per process); returns ``out_dir``.
     """
@@ -152,7 +176,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     _check_threads(threads)
     hf_config = qwen3.load_hf_config(hf_dir)
     arch = qwen3.qwen3_config_from_hf(hf_config)
-    _check_layout(arch, tp, pp)
+    _check_layout(arch, _layout(layout, tp, pp))
     _check_out_dir(out_dir, overwrite)
     reader = SafetensorsReader(hf_dir)
     hf_bridge.check_hf_names(reader.names(), arch)
@@ -185,13 +209,14 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
 def convert_megatron_to_hf(load_dir: str | Path, out_dir: str | Path, *,
                            hf_config_dir: str | Path | None = None, overwrite: bool = False,
                            max_shard_bytes: int = 5 * 2**30, dtype: str = "auto",
-                           threads: int = 1) -> Path:
+                           threads: int = 1, layout: TrainConfig | None = None) -> Path:
     """Write sharded safetensors + index + config.json (+ tokenizer files) from a checkpoint.
 
     Any saved TP/PP layout; collective over all ranks (any number: shard k is written by
     rank k mod N, ``threads`` shards at a time per rank; one thread keeps peak memory at
     one parameter per process). ``hf_config_dir`` supplies config.json and tokenizer
-    files; without it the HF config stored in the checkpoint's meta is used.
+    files; without it the HF config stored in the checkpoint's meta is used. ``layout``
+    (the trainer's layout flags) is only checked against the model: the output has none.
     """
     out_dir = Path(out_dir)
     _check_dtype(dtype)
@@ -208,6 +233,8 @@ def convert_megatron_to_hf(load_dir: str | Path, out_dir: str | Path, *,
         raise ConversionError(f"--load {path}: the checkpoint stores no HF config; pass "
                               "--hf-config DIR with the model's config.json")
     arch = qwen3.qwen3_config_from_hf(hf_config)
+    if layout is not None:
+        _check_layout(arch, layout)
     out_dtype = getattr(torch, meta["params_dtype"]) if dtype == "auto" else DTYPES[dtype]
     _init_conversion()
     sources = _hf_sources(torch_dist_io.param_slots(torch_dist_io.meta_model(arch, out_dtype),
@@ -312,23 +339,31 @@ def megatron_logits(model: torch.nn.Module | list[torch.nn.Module], arch: qwen3.
 
 
 def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1, pp: int = 1,
-                   batch_size: int = 2, seq_length: int = 32, seed: int = 0) -> float:
+                   batch_size: int = 2, seq_length: int = 32, seed: int = 0,
+                   layout: TrainConfig | None = None) -> float:
     """Max |HF logits - Megatron logits| on random token ids (fp32); same value on all ranks.
 
-    Collective over ``tp * pp`` ranks (torchrun); loads the Megatron checkpoint in fp32 at
-    the given layout, whatever layout it was saved at.
+    Collective over the ranks of one model replica (torchrun); builds the model as the
+    trainer does at ``tp`` x ``pp``, or at the trainer's whole ``layout`` (uneven stages,
+    VPP, EP), and loads the Megatron checkpoint into it in fp32, whatever layout it was
+    saved at.
     """
+    from megatron_klear.train.engine import build_model as build_chunks
+
+    layout = _layout(layout, tp, pp)
     hf_config = qwen3.load_hf_config(hf_dir)
     arch = qwen3.qwen3_config_from_hf(hf_config)
-    _check_layout(arch, tp, pp)
+    pipeline = _check_layout(arch, layout)
     if find_latest_checkpoint(megatron_dir) is None:
         raise ConversionError(f"--megatron-dir {megatron_dir}: no complete checkpoint found")
-    init_parallel(tp, pp)
-    model = build_model(arch, torch.float32)
-    load_checkpoint(megatron_dir, [model], load_rng=False)
+    init_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                  vpp=pipeline.virtual_size, ep=layout.expert_model_parallel_size,
+                  etp=layout.expert_tensor_parallel_size)
+    chunks = [chunk.eval() for chunk in build_chunks(arch, layout, wrap_ddp=False)]
+    load_checkpoint(megatron_dir, chunks, load_rng=False)
     ids = torch.randint(0, arch.vocab_size, (batch_size, seq_length),
                         generator=torch.Generator().manual_seed(seed))
-    logits = megatron_logits(model, arch, ids)
+    logits = megatron_logits(chunks, arch, ids)
     diff = torch.zeros((), dtype=torch.float64)
     if logits is not None:
         diff.fill_((hf_logits(hf_dir, ids) - logits).abs().max().item())

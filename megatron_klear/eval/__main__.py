@@ -5,7 +5,8 @@
   klear-eval --rejudge eval/samples.jsonl
 
 --model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly, with
-the tokenizer of --hf-config).
+the tokenizer of --hf-config; the trainer's layout flags are accepted and checked against the
+model).
 Without --rollout-urls, embedded rollout servers are started on this machine.
 """
 
@@ -16,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from megatron_klear.config import TrainConfig, add_layout_flags, layout_from_args
 from megatron_klear.eval.evaluate import evaluate, parse_benchmark, rejudge, write_report
 
 
@@ -49,12 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="eval_out")
     p.add_argument("--rejudge", default=None, help="samples.jsonl to re-score (no model)")
     p.add_argument("--seed", type=int, default=0)
+    add_layout_flags(p)
     return p
 
 
-def resolve_model(model: str, out_dir: Path, hf_config: str | None = None) -> Path:
-    """An HF dir for ``model``: itself, or a conversion of a megatron-klear checkpoint with
-    the tokenizer of ``hf_config`` (a checkpoint holds none)."""
+def resolve_model(model: str, out_dir: Path, layout: TrainConfig | None = None,
+                  hf_config: str | None = None) -> Path:
+    """An HF dir for ``model``: itself, or a conversion of a megatron-klear checkpoint (whose
+    model ``layout``, the layout flags, must be able to split) with the tokenizer of
+    ``hf_config`` (a checkpoint holds none)."""
     path = Path(model)
     if (path / "config.json").is_file():
         return path
@@ -67,7 +72,7 @@ def resolve_model(model: str, out_dir: Path, hf_config: str | None = None) -> Pa
                                     "from>")
         target = out_dir / "hf_model"
         if not (target / "config.json").is_file():
-            convert_megatron_to_hf(path, target, hf_config_dir=hf_config)
+            convert_megatron_to_hf(path, target, hf_config_dir=hf_config, layout=layout)
         return target
     raise FileNotFoundError(f"--model {model}: neither an HF dir (config.json) nor a "
                             "megatron-klear checkpoint (latest_checkpointed_iteration.txt)")
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
     from megatron_klear.rollout.launcher import connect, launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir = resolve_model(args.model, out, args.hf_config)
+    hf_dir = resolve_model(args.model, out, layout_from_args(args), args.hf_config)
     tokenizer = load_tokenizer(hf_dir, args.prompt_template, args.chat_template)
     benches = [parse_benchmark(b, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                answer_format=args.answer_format) for b in args.benchmark]
