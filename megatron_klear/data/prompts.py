@@ -24,8 +24,6 @@ PROMPT_TEMPLATES = ("chat", "raw")
 RAW_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}"
                 "{% if not loop.last %}{{ '\\n\\n' }}{% endif %}{% endfor %}")
 _META_KEYS = ("id", "idx", "task_id", "data_source", "source")
-# files of which a Hugging Face dir holds at least one when it has a tokenizer
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 class DataError(ValueError):
@@ -226,11 +224,12 @@ def load_tokenizer(path: str | os.PathLike, prompt_template: str | None = None,
     (see :func:`set_prompt_template`)."""
     from transformers import AutoTokenizer
 
-    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((Path(path) / name).is_file() for name in names):
         # transformers would build an empty tokenizer from config.json alone: every prompt
         # would encode to no tokens
-        raise DataError(f"{path}: no tokenizer files (none of {list(TOKENIZER_FILES)}); point "
-                        "at a Hugging Face dir that has the model's tokenizer")
+        raise DataError(f"{path}: no tokenizer files (none of {list(names)}); point at a "
+                        "Hugging Face dir that has the model's tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(os.fspath(path))
     set_prompt_template(tokenizer, prompt_template, chat_template)
     return tokenizer
