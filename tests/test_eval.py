@@ -110,3 +110,23 @@ def test_parse_benchmark_spec():
     assert (b.name, b.path, b.reward) == ("lcb", "/d/lcb.jsonl", "code")
     b = parse_benchmark(f"/d/aime24.jsonl@{REWARD}")
     assert (b.name, b.path, b.reward) == ("aime24", "/d/aime24.jsonl", REWARD)
+
+
+def test_a_model_without_tokenizer_is_refused_by_name(tmp_path):
+    """A dir with config.json but no tokenizer files (a checkpoint converted without
+    --hf-config) made transformers build an empty tokenizer, every prompt encoding to no
+    tokens; klear-eval then failed far away ("the prompt is empty"). Now it names the dir."""
+    from megatron_klear.data.prompts import DataError, load_tokenizer
+    from megatron_klear.eval.__main__ import resolve_model
+    from megatron_klear.models.tiny import tiny_qwen3_config
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(tiny_qwen3_config()))
+    with pytest.raises(DataError, match="bare: no tokenizer files"):
+        load_tokenizer(bare)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
+    with pytest.raises(FileNotFoundError, match="add --hf-config"):
+        resolve_model(str(ckpt), tmp_path / "out")

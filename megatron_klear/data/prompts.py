@@ -294,6 +294,12 @@ def load_tokenizer(path: str | os.PathLike, prompt_template: str | None = None,
     (see :func:`set_prompt_template`) and its template arguments set."""
     from transformers import AutoTokenizer
 
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((Path(path) / name).is_file() for name in names):
+        # transformers would build an empty tokenizer from config.json alone: every prompt
+        # would encode to no tokens
+        raise DataError(f"{path}: no tokenizer files (none of {list(names)}); point at a "
+                        "Hugging Face dir that has the model's tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(os.fspath(path))
     set_prompt_template(tokenizer, prompt_template, chat_template)
     set_chat_template_kwargs(tokenizer, chat_template_kwargs)

@@ -4,8 +4,9 @@
              --k 16 --temperature 1.0 --max-new-tokens 32768 --out-dir eval/
   klear-eval --rejudge eval/samples.jsonl
 
---model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly; the
-trainer's layout flags are accepted and checked against the model).
+--model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly, with
+the tokenizer of --hf-config; the trainer's layout flags are accepted and checked against the
+model).
 Without --rollout-urls, embedded rollout servers are started on this machine.
 """
 
@@ -25,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="klear-eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF model dir or megatron-klear checkpoint dir")
+    p.add_argument("--hf-config", default=None,
+                   help="HF dir giving the tokenizer (and config.json) of a megatron-klear "
+                        "checkpoint given as --model, as for tools/convert_megatron_to_hf.py")
     p.add_argument("--benchmark", action="append", default=[],
                    help="[name=]path.jsonl[@reward] (reward: math, code or pkg.mod:fn; "
                         "default math)")
@@ -54,18 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_model(model: str, out_dir: Path, layout: TrainConfig | None = None) -> Path:
+def resolve_model(model: str, out_dir: Path, layout: TrainConfig | None = None,
+                  hf_config: str | None = None) -> Path:
     """An HF dir for ``model``: itself, or a conversion of a megatron-klear checkpoint (whose
-    model ``layout``, the layout flags, must be able to split)."""
+    model ``layout``, the layout flags, must be able to split) with the tokenizer of
+    ``hf_config`` (a checkpoint holds none)."""
     path = Path(model)
     if (path / "config.json").is_file():
         return path
     if (path / "latest_checkpointed_iteration.txt").is_file():
         from megatron_klear.checkpoint.convert import convert_megatron_to_hf
 
+        if hf_config is None:
+            raise FileNotFoundError(f"--model {model} is a megatron-klear checkpoint, which holds "
+                                    "no tokenizer: add --hf-config <the HF dir it was trained "
+                                    "from>")
         target = out_dir / "hf_model"
         if not (target / "config.json").is_file():
-            convert_megatron_to_hf(path, target, layout=layout)
+            convert_megatron_to_hf(path, target, hf_config_dir=hf_config, layout=layout)
         return target
     raise FileNotFoundError(f"--model {model}: neither an HF dir (config.json) nor a "
                             "megatron-klear checkpoint (latest_checkpointed_iteration.txt)")
@@ -90,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     from megatron_klear.rollout.launcher import connect, launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir = resolve_model(args.model, out, layout_from_args(args))
+    hf_dir = resolve_model(args.model, out, layout_from_args(args), args.hf_config)
     tokenizer = load_tokenizer(hf_dir, args.prompt_template, args.chat_template, template_kwargs)
     benches = [parse_benchmark(b, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                answer_format=args.answer_format) for b in args.benchmark]
