@@ -95,18 +95,19 @@ def test_colocated_8b_dry_run_plans_both_phases():
     """Qwen3-8B at 32K colocated on 8 x 80 GB (TP4 x DP2 trainer, four TP2 engines): the
     plan fits, with the engine weights and KV cache computed by hand: 8.19e9 parameters in
     bf16 over TP2 = 7.63 GiB per GPU; a KV token = 2 (K, V) x 36 layers x 8/2 KV heads x 128
-    x 2 bytes = 73728 bytes, 2.39 GiB per 34816-token sequence; (0.85 x 80 - 7.63) GiB of
-    pool = 25.25 sequences. At --sglang-mem-fraction-static 0.1 (8 GiB: 0.37 GiB of KV) the
-    dry run fails, naming the rollout phase and the fraction that fits (a pool of at least
-    7.63 + 2.39 = 10.02 GiB: 0.13)."""
+    x 2 bytes = 73728 bytes, 2.53 GiB per 36864-token sequence (the recipe's 4096-token
+    prompts + 32768 new tokens); (0.85 x 80 - 7.63) GiB of pool = 23.85 sequences. At
+    --sglang-mem-fraction-static 0.1 (8 GiB: 0.37 GiB of KV) the dry run fails, naming the
+    rollout phase and the fraction that fits (a pool of at least 7.63 + 2.53 = 10.16 GiB:
+    0.13)."""
     proc, report = _colocate_dry_run()
     assert proc.returncode == 0, proc.stderr[-3000:]
     colo = report["colocated"]
     assert colo["fits"] and colo["engine_weights_gib"] == 7.63, colo
-    assert abs(colo["kv_sequences"] - 25.25) < 0.06, colo
+    assert abs(colo["kv_sequences"] - 23.85) < 0.06, colo
     assert colo["training_gib"] == round(report["memory"]["gib"]["total"] + 2.0, 2)
     proc, report = _colocate_dry_run("--sglang-mem-fraction-static", "0.1")
     assert proc.returncode == 2 and not report["colocated"]["fits"]
     err = proc.stderr.strip().splitlines()[-1]
-    assert "holds no 34816-token sequence" in err, err
+    assert "holds no 36864-token sequence" in err, err
     assert "--sglang-mem-fraction-static 0.13" in err, err
