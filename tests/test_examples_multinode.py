@@ -53,11 +53,13 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 SFT_LR, SFT_ITERS = 3e-4, 2
 SFT = ["--seq-length", "128", "--global-batch-size", "2", "--train-iters", str(SFT_ITERS),
        "--lr", str(SFT_LR), "--lr-warmup-iters", "0"]
-# RL: --no-dynamic-sampling (the YAML's true would refill batches that a tiny model's zero
-# rewards leave empty) and --lr 2e-6 (the YAML's 1e-6) are overrides the metrics show.
+# RL: --no-dynamic-sampling and --rollout-gen-batch-size 0 (the YAML over-generates and drops
+# the groups that a tiny model's zero rewards leave uninformative), --lr-warmup-iters 0 and
+# --lr 2e-6 (the YAML's 1e-6) are overrides the metrics show.
 RL_LR, RL_PROMPTS = 2e-6, 2
 RL = ["--rollout-batch-size", str(RL_PROMPTS), "--mini-batch-size", "2",
       "--n-samples-per-prompt", "2", "--rollout-max-response-len", "12", "--no-dynamic-sampling",
+      "--rollout-gen-batch-size", "0", "--lr-warmup-iters", "0",
       "--lr", str(RL_LR), "--train-iters", "1", "--save-interval", "1"]
 
 
@@ -255,7 +257,8 @@ def test_klear_8b_code_rl_from_the_math_rl_checkpoint(tiny, klear_sft):
                      ROLLOUT_URLS=" ".join(urls))
     (m,) = read_metrics(klear_sft / "rl_code" / "metrics.jsonl")
     assert m["step"] == 1 and m["lr"] == RL_LR and checkpoints(klear_sft / "rl_code") == [1]
-    assert 0.0 <= m["rollout/reward_mean"] <= 1.0 and m["weight_sync/probe_max_abs_diff"] < 1e-4
+    # the recipe's code_klear: the mean of +-1 per test, -1 without a code block
+    assert -2.0 <= m["rollout/reward_mean"] <= 1.0 and m["weight_sync/probe_max_abs_diff"] < 1e-4
     assert max_abs_diff(klear_sft / "rl_code_hf", klear_sft / "rl_math_hf") < 1e-5
 
 

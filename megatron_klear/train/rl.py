@@ -169,8 +169,8 @@ class RLConfig(TrainConfig):
                                              "round (Klear: 256 for --rollout-batch-size 128);"
                                              " the step trains on the informative groups left,"
                                              " at most --rollout-batch-size, the last "
-                                             "mini-batch possibly partial; unset: refill to "
-                                             "whole mini-batches")
+                                             "mini-batch possibly partial; unset or 0 (to "
+                                             "turn a YAML's off): refill to whole mini-batches")
     max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
                                      "max_num_gen_batches=1); default --max-sampling-rounds")
     filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
@@ -300,6 +300,8 @@ class RLConfig(TrainConfig):
 
     def validate_generation(self) -> None:
         """Over-generation flags (Klear's recipe, docs/recipe.md)."""
+        if self.rollout_gen_batch_size == 0:  # a command line's "off" over a YAML's value
+            self.rollout_gen_batch_size = None
         gen = self.rollout_gen_batch_size
         if gen is not None and (gen < self.rollout_batch_size or not self.dynamic_sampling):
             raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
