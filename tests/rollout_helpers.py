@@ -52,3 +52,24 @@ def cmdline(p: psutil.Process) -> str:
         return " ".join(p.cmdline())
     except psutil.Error:
         return ""
+
+
+def fixed_rollout_batch(rewards: list[float], seed: int):
+    """A RolloutBatch of two prompts x two samples with random ids (prompt / response lengths
+    (5, 4), (5, 6), (7, 3), (7, 5)), the given rewards and their group advantages: the fixed
+    batch of the loss tests."""
+    from megatron_klear.algo.advantages import group_advantages
+    from megatron_klear.train.rl_data import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    b = RolloutBatch(group_size=2)
+    b.rewards = list(rewards)
+    for i, (lp, lr) in enumerate([(5, 4), (5, 6), (7, 3), (7, 5)]):
+        b.prompt_ids.append(torch.randint(0, 100, (lp,), generator=g).tolist()
+                            if i % 2 == 0 else b.prompt_ids[-1])
+        b.response_ids.append(torch.randint(0, 100, (lr,), generator=g).tolist())
+        b.rollout_logprobs.append([0.0] * lr)
+        b.prompt_index.append(i // 2)
+        b.truncated.append(False)
+    b.advantages = group_advantages(torch.tensor(b.rewards), 2).tolist()
+    return b

@@ -13,26 +13,14 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
+from tests.rollout_helpers import fixed_rollout_batch
 
 MINI = 4   # responses per mini-batch (2 prompts x 2 samples)
 
 
 def _batch():
-    from megatron_klear.algo.advantages import group_advantages
-    from megatron_klear.train.rl_data import RolloutBatch
-
-    g = torch.Generator().manual_seed(3)
-    b = RolloutBatch(group_size=2)
-    b.rewards = [1.0, -1.0, 1.0, -0.5]   # +-1 with a format penalty: positives 0 and 2
-    for i, (lp, lr) in enumerate([(5, 4), (5, 6), (7, 3), (7, 5)]):
-        b.prompt_ids.append(torch.randint(0, 100, (lp,), generator=g).tolist()
-                            if i % 2 == 0 else b.prompt_ids[-1])
-        b.response_ids.append(torch.randint(0, 100, (lr,), generator=g).tolist())
-        b.rollout_logprobs.append([0.0] * lr)
-        b.prompt_index.append(i // 2)
-        b.truncated.append(False)
-    b.advantages = group_advantages(torch.tensor(b.rewards), 2).tolist()
-    return b
+    # +-1 with a format penalty: positives 0 and 2
+    return fixed_rollout_batch([1.0, -1.0, 1.0, -0.5], seed=3)
 
 
 def _old_shift(mb, k):

@@ -15,7 +15,7 @@ import torch
 
 from megatron_klear.train.metrics import read_metrics
 from tests.dist import run_distributed
-from tests.rollout_helpers import cmdline
+from tests.rollout_helpers import cmdline, fixed_rollout_batch
 
 EPS_L, EPS_H, ALPHA = 0.2, 0.28, 0.1
 
@@ -28,21 +28,8 @@ def hf_model(tmp_path_factory):
 
 
 def _fixed_batch():
-    from megatron_klear.algo.advantages import group_advantages
-    from megatron_klear.train.rl_data import RolloutBatch
-
-    g = torch.Generator().manual_seed(0)
-    b = RolloutBatch(group_size=2)
-    b.rewards = [1.0, 0.5, 0.0, 1.0]  # 0.5: a partially passing code answer, NOT positive
-    for i, (lp, lr) in enumerate([(5, 4), (5, 6), (7, 3), (7, 5)]):
-        b.prompt_ids.append(torch.randint(0, 100, (lp,), generator=g).tolist()
-                            if i % 2 == 0 else b.prompt_ids[-1])
-        b.response_ids.append(torch.randint(0, 100, (lr,), generator=g).tolist())
-        b.rollout_logprobs.append([0.0] * lr)
-        b.prompt_index.append(i // 2)
-        b.truncated.append(False)
-    b.advantages = group_advantages(torch.tensor(b.rewards), 2).tolist()
-    return b
+    # 0.5: a partially passing code answer, NOT positive
+    return fixed_rollout_batch([1.0, 0.5, 0.0, 1.0], seed=0)
 
 
 def _hand_step(rank, world, hf_dir):
