@@ -76,3 +76,28 @@ def test_layouts_match_tp1(reference, tp, pp):
         for step, (got, want) in enumerate(zip(metrics, ref)):
             assert abs(got["loss"] - want["loss"]) < 1e-5, (step, got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) < 1e-5 * max(1, want["grad_norm"])
+
+
+def test_one_process_keeps_its_rendezvous_out_of_the_environment():
+    """A process outside torchrun rendezvouses on a private free port that its children do not
+    inherit. In the CI run of 2026-12-03 torch.distributed had been initialised in pytest's
+    own process, which left MASTER_PORT in os.environ with its TCPStore still listening, and
+    every later one-process trainer started by pytest died with EADDRINUSE on that port."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, subprocess, sys\n"
+            "from megatron_klear.train.engine import initialize_parallel\n"
+            "initialize_parallel(1, 1)\n"
+            "print('leaked' if 'MASTER_PORT' in os.environ else 'clean')\n"
+            "child = 'from megatron_klear.train.engine import initialize_parallel; "
+            "initialize_parallel(1, 1); print(\"child ok\")'\n"
+            "print(subprocess.run([sys.executable, '-c', child], capture_output=True, "
+            "text=True).stdout.strip())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR",
+                                                             "RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["clean", "child", "ok"], out.stdout + out.stderr[-2000:]

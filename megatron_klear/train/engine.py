@@ -42,12 +42,15 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int 
 
     plat = platform.setup()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:  # one process, not under torchrun: a free port
-            os.environ["MASTER_PORT"] = str(free_port())
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(plat.backend)
+        if "MASTER_PORT" in os.environ:  # torchrun (or a caller that set the rendezvous)
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            dist.init_process_group(plat.backend)
+        else:  # one process, not under torchrun: a private free port, kept out of os.environ
+            # so that the subprocesses this process starts never inherit a port it holds
+            dist.init_process_group(plat.backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ValueError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
