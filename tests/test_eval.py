@@ -60,6 +60,9 @@ def test_report_equals_hand_computation_and_rejudge(setup, full_run):
     pak = sum(_pass_at_k(K, sum(v >= 1 for v in vs), K) for vs in by_problem.values()) / 40
     assert 0 < avg < 1 and abs(report[f"avg@{K}"] - avg) < 1e-12
     assert abs(report[f"pass@{K}"] - pak) < 1e-12
+    means = [sum(v) / K for v in by_problem.values()]  # SE over problems, by hand
+    var = sum((m - sum(means) / 40) ** 2 for m in means) / 39
+    assert report[f"avg@{K}_se"] > 0 and abs(report[f"avg@{K}_se"] - (var / 40) ** 0.5) < 1e-12
     assert report["samples"] == 40 * K and (out / "report.md").read_text().count("| toy |") == 1
     # re-judging the saved responses (no model) reproduces the scores
     rejudged = root / "rejudged"
@@ -130,3 +133,21 @@ def test_a_model_without_tokenizer_is_refused_by_name(tmp_path):
     (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
     with pytest.raises(FileNotFoundError, match="add --hf-config"):
         resolve_model(str(ckpt), tmp_path / "out")
+
+
+def test_paired_gain_is_the_mean_and_se_of_per_problem_differences(tmp_path):
+    from megatron_klear.eval.evaluate import paired_gain
+
+    def write(path, scores):  # problem -> its k scores, in klear-eval's samples.jsonl form
+        path.write_text("".join(json.dumps({"benchmark": "b", "problem": p, "score": s}) + "\n"
+                                for p, ss in scores.items() for s in ss)
+                        + json.dumps({"benchmark": "other", "problem": 0, "score": 1.0}) + "\n")
+
+    write(tmp_path / "before.jsonl", {0: [0, 0], 1: [1, 0], 2: [1, 1]})
+    write(tmp_path / "after.jsonl", {0: [1, 1], 1: [1, 1], 2: [1, 1]})
+    gain, se = paired_gain(tmp_path / "before.jsonl", tmp_path / "after.jsonl", "b")
+    # differences 1, 0.5, 0: mean 0.5, sample std 0.5, SE 0.5 / sqrt(3)
+    assert gain == 0.5 and abs(se - 0.5 / 3 ** 0.5) < 1e-12
+    write(tmp_path / "short.jsonl", {0: [1, 1]})
+    with pytest.raises(ValueError, match="different problems"):
+        paired_gain(tmp_path / "before.jsonl", tmp_path / "short.jsonl", "b")

@@ -8,10 +8,12 @@ report can be recomputed from the samples alone (re-judging).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import mean, stdev
 from typing import Any, Iterable, Sequence
 
 from tqdm import tqdm
@@ -123,12 +125,44 @@ def summarize(records: Iterable[dict], k: int) -> dict[str, dict]:
             "problems": len(problems),
             "samples": len(samples),
             f"avg@{k}": sum(r["score"] for r in samples) / len(samples),
+            f"avg@{k}_se": standard_error([mean(r["score"] for r in rs)
+                                           for rs in problems.values()]),
             f"pass@{k}": sum(pass_at_k(len(problems[p]), c, k) for p, c in correct.items())
             / len(problems),
             "mean_response_tokens": sum(r["response_tokens"] for r in samples) / len(samples),
             "truncation_rate": sum(r["finish_reason"] == "length" for r in samples) / len(samples),
         }
     return report
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """The standard error of the mean of ``values`` (sample std / sqrt(n)); 0 for one value.
+
+    Over problems, with each problem's mean score as one value: the k samples of a problem
+    are not independent draws of the benchmark, its problems are."""
+    return stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def problem_means(samples_path: str | Path, benchmark: str) -> dict[int, float]:
+    """Each problem's mean score in a klear-eval ``samples.jsonl``, for ``benchmark``."""
+    scores: dict[int, list[float]] = defaultdict(list)
+    for r in (json.loads(line) for line in Path(samples_path).read_text().splitlines()):
+        if r["benchmark"] == benchmark:
+            scores[r["problem"]].append(r["score"])
+    if not scores:
+        raise ValueError(f"{samples_path}: no samples of benchmark {benchmark!r}")
+    return {p: mean(v) for p, v in scores.items()}
+
+
+def paired_gain(before: str | Path, after: str | Path, benchmark: str) -> tuple[float, float]:
+    """(mean gain, its standard error) of ``after`` over ``before`` (two ``samples.jsonl`` of
+    the same problems), paired per problem: the problems' own difficulty, shared by both
+    runs, leaves the error of the difference."""
+    b, a = problem_means(before, benchmark), problem_means(after, benchmark)
+    if b.keys() != a.keys():
+        raise ValueError(f"{before} and {after} hold different problems of {benchmark!r}")
+    diffs = [a[p] - b[p] for p in sorted(b)]
+    return mean(diffs), standard_error(diffs)
 
 
 def rejudge(samples_path: str | Path, k: int | None = None) -> dict[str, dict]:
