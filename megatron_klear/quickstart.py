@@ -46,12 +46,21 @@ def torchrun_cmd(nproc: int, module: str, args: list[str]) -> list[str]:
 
 
 def eval_accuracy(model: Path, data: Path, out: Path, k: int, seed: int) -> float:
-    """avg@k of ``model`` on the arithmetic eval set at temperature 1.0 (klear-eval)."""
+    """avg@k of ``model`` on the arithmetic eval set at temperature 1.0 (klear-eval); its
+    samples are kept in ``out/samples.jsonl`` for :func:`rl_gain`."""
     run_logged([sys.executable, "-m", "megatron_klear.eval", "--model", str(model),
                 "--benchmark", f"arith={data}", "--k", str(k), "--temperature", "1.0",
                 "--max-new-tokens", "48", "--out-dir", str(out), "--seed", str(seed)],
                out.with_suffix(".log"))
     return json.loads((out / "report.json").read_text())["benchmarks"]["arith"][f"avg@{k}"]
+
+
+def rl_gain(before: Path, after: Path) -> tuple[float, float]:
+    """(gain, standard error) of the eval after RL over the eval before, paired per problem
+    (two :func:`eval_accuracy` output dirs)."""
+    from megatron_klear.eval.evaluate import paired_gain
+
+    return paired_gain(before / "samples.jsonl", after / "samples.jsonl", "arith")
 
 
 def sft_args(out: Path, args: argparse.Namespace) -> list[str]:
@@ -65,8 +74,8 @@ def sft_args(out: Path, args: argparse.Namespace) -> list[str]:
 
 
 def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> list[str]:
-    """klear-rl flags of the quickstart: GPPO at TP=2 with one embedded rollout server, each
-    prompt trained once for its 8 samples (``--share-prompts``).
+    """klear-rl flags of the quickstart: GPPO at TP=2, the rest at klear-rl's defaults
+    (embedded rollout servers, one per core; each prompt trained once for its 8 samples).
 
     ``start`` is the SFT model that RL begins from (default ``out/sft_hf``) and the prompts
     are read from beside it, so several RL runs can share one SFT stage."""
@@ -75,7 +84,7 @@ def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> l
     return ["--hf-checkpoint", str(start), "--prompt-data", str(start.parent / "data" / "rl.jsonl"),
             "--tensor-model-parallel-size", "2", "--reward", "math",
             "--rollout-batch-size", "32", "--mini-batch-size", "16", "--n-samples-per-prompt", "8",
-            "--micro-batch-size", "32", "--rollout-max-response-len", "48", "--share-prompts",
+            "--rollout-max-response-len", "48",
             "--lr", str(args.rl_lr), "--train-iters", str(args.rl_iters), "--seed", str(args.seed),
             "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"] + colocate
 
@@ -145,15 +154,21 @@ def main() -> None:
     from megatron_klear.train.plot import plot_metrics
 
     png = plot_metrics(out / "rl_ckpt" / "metrics.jsonl", out / "rl_dashboard.png")
-    summary = {"accuracy_before_rl": before, "accuracy_after_rl": after, "gain": after - before,
-               "eval": f"avg@{args.eval_k} at temperature 1.0 on {data['eval']}",
+    gain, se = rl_gain(out / "eval_before", out / "eval_after")
+    problems = sum(1 for _ in data["eval"].open())
+    summary = {"accuracy_before_rl": before, "accuracy_after_rl": after, "gain": gain,
+               "gain_standard_error": se, "gain_in_standard_errors": gain / se if se else None,
+               "eval": f"avg@{args.eval_k} at temperature 1.0 on {problems} held-out problems "
+                       f"({data['eval']})",
                "dashboard": str(png), "seconds": round(time.time() - t0, 1),
                "rollout": "sglang" if args.sglang else "embedded",
                "colocate": args.colocate}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"\naccuracy (avg@{args.eval_k}, T=1.0): before RL {before:.3f} -> after RL {after:.3f} "
-          f"(gain {after - before:+.3f})\ndashboard: {png}\nsummary: {out / 'summary.json'} "
-          f"({summary['seconds']} s)")
+    z = f"{gain / se:.1f} standard errors" if se else "no spread"
+    print(f"\naccuracy (avg@{args.eval_k}, T=1.0, {problems} held-out problems): before RL "
+          f"{before:.3f} -> after RL {after:.3f}\ngain {gain:+.3f} +- {se:.3f} (standard error "
+          f"of the per-problem difference; {z})\ndashboard: {png}\nsummary: "
+          f"{out / 'summary.json'} ({summary['seconds']} s)")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,22 @@
 """Generated chain-of-thought arithmetic for the CPU quickstart (no downloads).
 
-Problems are ``a + b * c`` with one-digit operands; the response reasons in two steps and
-ends with ``\\boxed{answer}``, so the real math reward (math-verify on ``\\boxed{}``) scores it.
+Problems are ``a + b * c`` with ``a`` a whole hundred (100-900) and ``b``, ``c`` one digit;
+the response reasons in two steps and ends with ``\\boxed{answer}``, so the real math reward
+(math-verify on ``\\boxed{}``) scores it.
 
 Like distilled long-CoT data, the SFT demonstrations are noisy: a fraction ends with a wrong
 boxed answer after correct reasoning. SFT imitates that noise; RL with the verified reward
 is what removes it, which makes the quickstart's RL gain visible in minutes on a CPU.
+
+Why hundreds (issue 32): with a one-digit ``a`` the tiny model had to learn ~300 sums such as
+6+14=20 and learnt them per question; RL then raised the reward on the RL prompts (0.32 ->
+0.58) by memorising those questions, while on held-out questions the reasoning itself was
+wrong 7 times in 10 and avg@4 moved within noise (0.246 -> 0.270), although RL had taught
+what generalises, copying the reasoning's result into the box (0.49 -> 0.80 of held-out
+samples). Adding a hundred is writing its digit before the product, a step the model learns
+for every question, so after SFT the held-out reasoning is right in 86% of samples and
+RL's lesson shows there (box equals reasoning 0.51 -> 0.90, avg@4 0.52 -> 0.91, seed 1). Held-out questions are new (a, b, c) triples; their facts (b*c, the hundred) are
+not new, as in any arithmetic benchmark.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ def arithmetic_problem(rng: random.Random, wrong_answer_rate: float = 0.0
                        ) -> tuple[str, str, int]:
     """(question, chain-of-thought response, answer); the boxed answer is off by 1-3 with
     probability ``wrong_answer_rate``."""
-    a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
+    a, b, c = 100 * rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
     answer = a + b * c
     boxed = answer + rng.choice((-3, -2, -1, 1, 2, 3)) if rng.random() < wrong_answer_rate \
         else answer
@@ -30,7 +41,7 @@ def arithmetic_problem(rng: random.Random, wrong_answer_rate: float = 0.0
 
 
 def write_arithmetic_data(out_dir: str | Path, *, seed: int = 0, n_sft: int = 2000,
-                          n_rl: int = 1000, n_eval: int = 64,
+                          n_rl: int = 1000, n_eval: int = 256,
                           wrong_answer_rate: float = 0.4) -> dict[str, Path]:
     """sft.jsonl (prompt/response), rl.jsonl and eval.jsonl (prompt/answer) in ``out_dir``.
 
