@@ -118,6 +118,9 @@ class TrainConfig:
     adam_eps: float = opt(1e-8, "AdamW epsilon")
     clip_grad: float = opt(1.0, "gradient clipping by global norm (0: off)")
     bf16: bool = opt(False, "bf16 parameters and compute (GPU)")
+    cpu_threads: int | None = opt(None, "torch CPU threads per rank (default: this node's "
+                                  "cores / its ranks; torchrun's OMP_NUM_THREADS=1 would leave "
+                                  "the other cores idle)")
     seed: int = opt(1234, "random seed")
     # logging
     log_dir: str | None = opt(None, "metrics.jsonl and TensorBoard events (default: --save)")
@@ -152,6 +155,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         for name in ("train_iters", "save_interval", "lr_warmup_iters", "log_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")

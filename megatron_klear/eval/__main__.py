@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yarn-factor", type=float, default=None,
                    help="YaRN rope scaling for longer contexts (SGLang servers)")
     p.add_argument("--rollout-urls", nargs="+", default=None)
-    p.add_argument("--num-servers", type=int, default=1, help="embedded servers to start")
+    p.add_argument("--num-servers", type=int, default=None,
+                   help="embedded servers to start (default: one per core, at most 4)")
     p.add_argument("--out-dir", default="eval_out")
     p.add_argument("--rejudge", default=None, help="samples.jsonl to re-score (no model)")
     p.add_argument("--seed", type=int, default=0)
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> dict:
 
     template_kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
     from megatron_klear.rollout.client import RolloutClient, SamplingParams
-    from megatron_klear.rollout.launcher import connect, launch_embedded_servers
+    from megatron_klear.rollout.launcher import connect, embedded_server_layout, \
+        launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = resolve_model(args.model, out, layout_from_args(args), args.hf_config)
@@ -109,8 +111,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.yarn_factor and not args.rollout_urls:
         raise ValueError("--yarn-factor needs SGLang servers (--rollout-urls started with "
                          "launch_sglang_servers(yarn_factor=...)); the embedded server has none")
+    count, threads = embedded_server_layout(args.num_servers)
     servers = (connect(args.rollout_urls) if args.rollout_urls else
-               launch_embedded_servers(str(hf_dir), args.num_servers, seed=args.seed))
+               launch_embedded_servers(str(hf_dir), count, seed=args.seed, num_threads=threads))
     with servers:
         report = evaluate(RolloutClient(servers.urls), tokenizer, benches, k=args.k,
                           params=params, samples_path=out / "samples.jsonl", seed=args.seed)

@@ -24,6 +24,7 @@ from megatron_klear.orphans import die_with_parent
 
 __all__ = ["RolloutServers", "LaunchError", "launch_embedded_servers", "launch_sglang_servers",
            "sglang_server_command", "router_command", "connect", "free_port", "wait_healthy",
+           "embedded_server_layout",
            "SGLANG_CPU_ARGS", "sglang_cpu_env", "server_env"]
 
 # Real SGLang 0.5.23 on a CPU (the .venv-sglang of tools/setup_sglang_cpu.sh): the engine flags
@@ -159,6 +160,22 @@ def _start(commands: list[list[str]], urls: list[str], log_dir: str | Path | Non
         servers.stop()
         raise
     return servers
+
+
+MAX_DEFAULT_EMBEDDED_SERVERS = 4
+
+
+def embedded_server_layout(num_servers: int | None = None, cores: int | None = None
+                           ) -> tuple[int, int]:
+    """(servers, decode threads each) of embedded CPU servers that share ``cores`` (default:
+    this process's): ``num_servers``, else one per core up to 4, the cores split evenly.
+
+    Servers split each rollout's prompts, so each core decodes its own rows without the
+    per-op thread synchronisation that one multi-threaded server pays on the small ops of a
+    decode step (measured: docs/training.md, bench_rl_step)."""
+    cores = cores or len(os.sched_getaffinity(0))
+    servers = num_servers or min(cores, MAX_DEFAULT_EMBEDDED_SERVERS)
+    return servers, max(1, cores // servers)
 
 
 def launch_embedded_servers(model_dir: str | Path, num_servers: int = 1, *,

@@ -359,6 +359,16 @@ def build_optimizer(model: list[torch.nn.Module], cfg: TrainConfig):
     return optimizer, scheduler
 
 
+def cpu_threads(requested: int | None = None) -> int:
+    """Torch CPU threads of this rank: ``requested`` (``--cpu-threads``), else this node's
+    cores split evenly among its ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    if requested:
+        return requested
+    local = int(os.environ.get("LOCAL_WORLD_SIZE",
+                               dist.get_world_size() if dist.is_initialized() else 1))
+    return max(1, len(os.sched_getaffinity(0)) // local)
+
+
 def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = True) -> Engine:
     """Initialise parallel state (if needed) and build the model, optimizer and schedule."""
     if not parallel_state.model_parallel_is_initialized():
@@ -368,6 +378,7 @@ def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = Tr
                             ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp)
     if dist.is_initialized():
         cfg.data_parallel_size(dist.get_world_size())
+    torch.set_num_threads(cpu_threads(cfg.cpu_threads))
     model = build_model(arch, cfg, wrap_ddp=with_optimizer)
     engine = Engine(cfg=cfg, arch=arch, model=model)
     if with_optimizer:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -25,7 +27,7 @@ from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrect
 from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import balance, pack_bins, run_positions, thd_pack
 from megatron_klear.data.prompts import parse_chat_template_kwargs
-from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+from megatron_klear.models.qwen3 import Qwen3Arch, load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
 from megatron_klear.rewards.remote import RemoteReward
@@ -33,7 +35,7 @@ from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.colocate import Colocation
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED, sequence_multiple
-from megatron_klear.train.engine import Engine, build_engine, \
+from megatron_klear.train.engine import Engine, build_engine, cpu_threads, \
     restore_or_init
 from megatron_klear.train.memory import Workload
 from megatron_klear.train.metrics import MetricsLogger, wandb_settings
@@ -73,7 +75,9 @@ class RLConfig(TrainConfig):
     rollout_temperature: float = opt(1.0, "sampling temperature")
     rollout_top_p: float = opt(1.0, "nucleus sampling")
     rollout_urls: list[str] | None = opt(None, "existing SGLang/embedded servers (else embedded)")
-    rollout_num_servers: int = opt(1, "embedded servers to start when no --rollout-urls")
+    rollout_num_servers: int | None = opt(None, "embedded servers to start when no "
+                                          "--rollout-urls (default: one per core of this node, "
+                                          "at most 4; each decodes on cores / servers threads)")
     loss_type: str = opt("gppo", "policy loss: gppo (CE-GPPO general beta), ppo (PPO-clip with "
                          "Clip-Higher bounds, DAPO), cispo (MiniMax-M1) or gspo (sequence-level "
                          "ratio; set --eps-clip-low/high ~3e-4/4e-4); docs/policy_loss.md",
@@ -127,11 +131,15 @@ class RLConfig(TrainConfig):
     # micro-batching of the rollout sequences
     max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: pack rollout "
                                          "sequences (THD, first-fit decreasing) under it; unset: "
-                                         "--micro-batch-size sequences per micro-batch")
+                                         "--micro-batch-size x (--rollout-max-prompt-len + "
+                                         "--rollout-max-response-len), what a padded "
+                                         "micro-batch of the longest sequences holds")
     pack_sequences: bool = opt(True, "THD packs without padding (--no-pack-sequences: "
                                "micro-batches right-padded to the longest sequence)")
-    share_prompts: bool = opt(False, "carry each prompt once per pack for its n samples (a "
-                              "tree mask: --transformer-impl local only; docs/training.md)")
+    share_prompts: bool | None = opt(None, "carry each prompt once per pack for its n samples "
+                                     "(a tree mask, exact; docs/training.md); default: on with "
+                                     "THD packs in the local spec and plain RoPE, off under "
+                                     "Transformer Engine, whose THD attention cannot express it")
     chat_template_kwargs: str | None = opt(None, "JSON object of chat-template arguments for "
                                            "the prompts, e.g. '{\"enable_thinking\": false}'")
     # rewards scored elsewhere, and shaped (docs/rewards.md)
@@ -206,7 +214,7 @@ class RLConfig(TrainConfig):
             raise ConfigError(f"--sglang-tp-size must be >= 1, got {self.sglang_tp_size}")
         if not self.colocate:
             return
-        if self.rollout_num_servers != 1:
+        if self.rollout_num_servers is not None:
             raise ConfigError("--rollout-num-servers does not apply with --colocate: one engine "
                               "runs per --sglang-tp-size ranks; drop it")
         if self.async_rollout:
@@ -256,6 +264,8 @@ class RLConfig(TrainConfig):
                               "or drop --ref-load")
         if self.reward_timeout <= 0 or self.reward_retries < 0:
             raise ConfigError("--reward-timeout must be > 0 and --reward-retries >= 0")
+        if self.async_rollout and self.cpu_threads is None:
+            self.cpu_threads = async_share(cpu_threads())
         if self.max_staleness < 1:
             raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
                               f"--async-rollout), got {self.max_staleness}")
@@ -281,6 +291,22 @@ class RLConfig(TrainConfig):
                               "--no-pack-sequences / use --transformer-impl local, or drop "
                               "--share-prompts")
         self.validate_colocation()
+
+    def resolve_share_prompts(self, arch: Qwen3Arch) -> bool:
+        """Settle ``--share-prompts`` for ``arch``: as given, or by default on wherever its
+        tree mask is exact and runs (THD packs, the local spec, plain RoPE)."""
+        if self.share_prompts and arch.rope_scaling:
+            raise ConfigError(f"--share-prompts continues a prompt's RoPE positions in its "
+                              f"samples' branches, which needs plain RoPE; {self.hf_checkpoint}"
+                              "/config.json sets rope_scaling: drop --share-prompts")
+        if self.share_prompts is None:
+            self.share_prompts = (self.pack_sequences and self.transformer_impl == "local"
+                                  and not arch.rope_scaling)
+            if self.transformer_impl != "local" and torch.distributed.get_rank() == 0:
+                print("notice: prompt sharing is off: Transformer Engine's THD attention cannot "
+                      "express its tree mask (--transformer-impl local shares prompts)",
+                      file=sys.stderr)
+        return self.share_prompts
 
     def overlong_shaping(self) -> OverlongShaping | None:
         """DAPO's overlong reward shaping, or None without ``--overlong-buffer-len``."""
@@ -388,23 +414,20 @@ def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_i
 
 def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
                       pad_id: int) -> list[dict]:
-    """THD micro-batches of ``rows`` without padding: ``--micro-batch-size`` sequences each,
-    or, with ``--max-tokens-per-gpu``, first-fit-decreasing packs under that token budget
-    (with ``--share-prompts``, of prompt units, each prompt carried once)."""
+    """THD micro-batches of ``rows`` without padding: first-fit-decreasing packs under the
+    token budget (:func:`token_budget`; with ``--share-prompts``, of prompt units, each prompt
+    carried once)."""
     units = prompt_units(batch, rows, cfg)
     budget = token_budget(cfg)
-    if budget is not None:
-        sizes = [unit_positions(batch, u, cfg.share_prompts) for u in units]
-        if max(sizes) > budget:
+    sizes = [unit_positions(batch, u, cfg.share_prompts) for u in units]
+    if max(sizes) > budget:
+        if cfg.max_tokens_per_gpu:
             raise ConfigError(f"--max-tokens-per-gpu {cfg.max_tokens_per_gpu} is smaller than a "
                               f"rollout sequence of {max(sizes)} tokens; raise it to at "
                               "least the longest prompt + --rollout-max-response-len")
-        groups = [[r for u in b for r in units[u]]
-                  for b in pack_bins([n + 1 for n in sizes], budget, window=None)]
-    else:
-        rows = [r for u in units for r in u]
-        groups = [rows[s:s + cfg.micro_batch_size]
-                  for s in range(0, len(rows), cfg.micro_batch_size)]
+        budget = max(sizes)  # the default budget: a prompt over --rollout-max-prompt-len
+    groups = [[r for u in b for r in units[u]]
+              for b in pack_bins([n + 1 for n in sizes], budget, window=None)]
     out = []
     for group in groups:
         seqs, fields = zip(*(sample_fields(batch, r) for r in group))
@@ -415,12 +438,21 @@ def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig",
     return out
 
 
-def token_budget(cfg: "RLConfig") -> int | None:
-    """Next-token positions per micro-batch under ``--max-tokens-per-gpu`` (a multiple of the
-    TP size), or None."""
-    if not cfg.max_tokens_per_gpu:
-        return None
-    return cfg.max_tokens_per_gpu - cfg.max_tokens_per_gpu % cfg.tensor_model_parallel_size
+def async_share(cores: int) -> int:
+    """The cores each side gets by default under ``--async-rollout``, where the trainer and
+    the embedded servers run at the same time: half (synchronous runs take turns, so each
+    side gets them all)."""
+    return max(1, cores // 2)
+
+
+def token_budget(cfg: "RLConfig") -> int:
+    """Next-token positions per THD micro-batch (a multiple of the TP size): under
+    ``--max-tokens-per-gpu``, or by default those of ``--micro-batch-size`` sequences of the
+    longest prompt and response, so the default pack needs no more memory than a padded
+    micro-batch would at worst, and fills it."""
+    tokens = cfg.max_tokens_per_gpu or cfg.micro_batch_size * (
+        cfg.rollout_max_prompt_len + cfg.rollout_max_response_len)
+    return tokens - tokens % cfg.tensor_model_parallel_size
 
 
 def prompt_units(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig") -> list[list[int]]:
@@ -432,7 +464,7 @@ def prompt_units(batch: RolloutBatch, rows: Sequence[int], cfg: "RLConfig") -> l
     budget, units = token_budget(cfg), []
     for r in rows:
         if units and batch.prompt_ids[units[-1][0]] == batch.prompt_ids[r] and (
-                budget is None or unit_positions(batch, units[-1] + [r], True) <= budget):
+                unit_positions(batch, units[-1] + [r], True) <= budget):
             units[-1].append(r)
         else:
             units.append([r])
@@ -672,14 +704,18 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
 def rollout_servers(cfg: RLConfig):
     """The rollout servers of the run: given URLs, or embedded servers started here (rank 0;
     with ``--colocate`` one per ``--sglang-tp-size`` ranks)."""
-    from megatron_klear.rollout.launcher import connect, launch_embedded_servers
+    from megatron_klear.rollout.launcher import connect, embedded_server_layout, \
+        launch_embedded_servers
 
     if cfg.rollout_urls:
         yield connect(cfg.rollout_urls)
     elif torch.distributed.get_rank() == 0:
-        count = max(torch.distributed.get_world_size() // cfg.sglang_tp_size, 1) \
-            if cfg.colocate else cfg.rollout_num_servers  # colocated: one per engine TP group
-        with launch_embedded_servers(cfg.hf_checkpoint, count, seed=cfg.seed) as servers:
+        count, threads = embedded_server_layout(
+            max(torch.distributed.get_world_size() // cfg.sglang_tp_size, 1)
+            if cfg.colocate else cfg.rollout_num_servers,  # colocated: one per engine TP group
+            async_share(len(os.sched_getaffinity(0))) if cfg.async_rollout else None)
+        with launch_embedded_servers(cfg.hf_checkpoint, count, seed=cfg.seed,
+                                     num_threads=threads) as servers:
             broadcast_batch(servers.urls)
             yield servers
     else:
@@ -693,15 +729,12 @@ def train(cfg: RLConfig) -> list[dict]:
     from megatron_klear.rollout.weight_sync import WeightSync
 
     arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
-    if cfg.share_prompts and arch.rope_scaling:
-        raise ConfigError(f"--share-prompts continues a prompt's RoPE positions in its samples' "
-                          f"branches, which needs plain RoPE; {cfg.hf_checkpoint}/config.json "
-                          "sets rope_scaling: drop --share-prompts")
     tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template,
                                parse_chat_template_kwargs(cfg.chat_template_kwargs))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
     engine = build_engine(cfg, arch)
+    cfg.resolve_share_prompts(arch)
     info = restore_or_init(engine)
     reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
         if cfg.kl_coef else None
@@ -891,7 +924,7 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
 
 def memory_workload(cfg: RLConfig) -> Workload:
     """What the RL trainer feeds the model (the dry run's memory plan): THD packs of
-    ``--micro-batch-size`` prompt + response rows, or of ``--max-tokens-per-gpu`` tokens,
+    ``--max-tokens-per-gpu`` tokens, by default ``--micro-batch-size`` prompt + response rows,
     under the fused policy loss unless --loss-backend torch; with --kl-coef, the
     reference's weights in host memory."""
     return Workload(cfg.rollout_max_prompt_len + cfg.rollout_max_response_len,
