@@ -70,7 +70,8 @@ from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, is_loc
 __all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "aligned_order", "plan_bucket",
            "adjacent_runs", "MIN_DIRECT_BYTES",
            "Bucket", "TensorSpec", "rank_layout", "lowest_cpu_priority",
-           "trainer_sequence_logprobs", "PROBE_METRIC", "update_backend", "stage_master_addr"]
+           "trainer_sequence_logprobs", "PROBE_METRIC", "update_backend", "stage_master_addr",
+           "probe_ids", "probe_asker", "probe_metrics"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
 
@@ -189,6 +190,37 @@ def trainer_sequence_logprobs(model: torch.nn.Module | list[torch.nn.Module], ar
         return None
     logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
     return logp.gather(1, ids[0, 1:, None])[:, 0]
+
+
+def probe_ids(arch) -> list[int]:
+    """The probe's fixed token sequence: ids 1..32 (fewer in a smaller vocabulary)."""
+    return list(range(1, min(arch.vocab_size, 33)))
+
+
+def probe_asker() -> bool:
+    """Whether this rank asks the servers for the probe: the one that holds the trainer's
+    logprobs (last PP stage) in TP rank 0 of data-parallel replica 0."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_data_parallel_rank() == 0
+            and ps.get_tensor_model_parallel_rank() == 0)
+
+
+def probe_metrics(sync: "WeightSync", input_ids: list[int],
+                  trainer_logprobs: torch.Tensor | None,
+                  pending: concurrent.futures.Future | None) -> dict[str, float]:
+    """Collective: the probe's metrics on every rank. The asking rank (:func:`probe_asker`,
+    whose ``pending`` is its :meth:`WeightSync.request_probe`) compares the servers' logprobs
+    with ``trainer_logprobs`` and shares the max |difference| and the trainer's mean logprob
+    (which moves when the weights move)."""
+    answer = None
+    if pending is not None:
+        answer = (sync.probe(input_ids, trainer_logprobs, pending.result()),
+                  float(trainer_logprobs.mean()))
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, answer)
+    diff, mean_lp = next(a for a in held if a is not None)
+    return {PROBE_METRIC: diff, "weight_sync/probe_logprob_mean": mean_lp}
 
 
 def update_backend(server_devices: list[str]) -> str:
@@ -619,15 +651,28 @@ class WeightSync:
         return nbytes
 
     # ------------------------------------------------------------------ probe
-    def probe(self, input_ids: list[int], trainer_logprobs: torch.Tensor) -> float:
-        """Max |server - trainer| logprob of tokens 1..L-1 of ``input_ids`` over all servers.
+    def request_probe(self, input_ids: list[int]) -> concurrent.futures.Future:
+        """Start asking every server for its logprobs of ``input_ids`` (a background thread),
+        so that the servers compute while the trainer computes its own; the future's result
+        is what :meth:`probe` takes as ``server_logprobs``."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probe")
+        future = pool.submit(self.client.prompt_logprobs, list(input_ids))
+        pool.shutdown(wait=False)
+        return future
+
+    def probe(self, input_ids: list[int], trainer_logprobs: torch.Tensor,
+              server_logprobs: list[list[float]] | None = None) -> float:
+        """Max |server - trainer| logprob of tokens 1..L-1 of ``input_ids`` over all servers
+        (asked now, or answered already: ``server_logprobs``, from :meth:`request_probe`).
 
         Not collective: call it where ``trainer_logprobs`` live (the last PP stage), e.g.
         with :func:`trainer_sequence_logprobs`.
         """
         ref = trainer_logprobs.detach().double().flatten().cpu()
         diffs = []
-        for lps in self.client.prompt_logprobs(list(input_ids)):
+        if server_logprobs is None:
+            server_logprobs = self.client.prompt_logprobs(list(input_ids))
+        for lps in server_logprobs:
             got = torch.tensor(lps, dtype=torch.float64)
             if got.shape != ref.shape:
                 raise WeightSyncError(f"probe: servers returned {got.numel()} logprobs, the "

@@ -28,7 +28,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_klear.train.offload import TrainerOffload
 
@@ -75,13 +74,14 @@ class Colocation:
         """Steps 4 (probe log-probs) to 8 after a training step (or at the start of the run,
         with nothing released): sync the weights by handle with the trainer offloaded around
         them; the probe's max |engine - trainer| log-prob as in the separate mode."""
-        from megatron_klear.rollout.weight_sync import PROBE_METRIC, trainer_sequence_logprobs
+        from megatron_klear.rollout.weight_sync import probe_asker, probe_ids, probe_metrics, \
+            trainer_sequence_logprobs
 
         metrics: dict[str, float] = {}
         if self.offload.offloaded:  # a skipped step (nothing trained): the turn is taken anyway
             metrics.update(self.before_train())
         self.engine.gather_params()  # the distributed optimizer may defer the all-gather
-        ids = list(range(1, min(self.engine.arch.vocab_size, 33)))  # rl.sync_and_probe's
+        ids = probe_ids(self.engine.arch)
         trainer_lp = trainer_sequence_logprobs(self.engine.model, self.engine.arch, ids) \
             if probe else None
         t0 = time.perf_counter()
@@ -99,14 +99,9 @@ class Colocation:
         metrics.update({"time/colocate_before_sync_s": t1 - t0,
                         "time/colocate_after_sync_s": time.perf_counter() - t2,
                         "colocate/offloaded_bytes": float(self.offload.nbytes)})
-        if probe:
-            asks = trainer_lp is not None and parallel_state.get_tensor_model_parallel_rank() == 0
-            answer = (sync.probe(ids, trainer_lp), float(trainer_lp.mean())) if asks else None
-            held = [None] * dist.get_world_size()  # one rank asked: share its answer
-            dist.all_gather_object(held, answer)
-            diff, mean_lp = next(a for a in held if a is not None)
-            metrics[PROBE_METRIC] = diff
-            metrics["weight_sync/probe_logprob_mean"] = mean_lp
+        if probe:  # the trainer's logprobs came before its offload, the engines' come now
+            metrics.update(probe_metrics(sync, ids, trainer_lp,
+                                         sync.request_probe(ids) if probe_asker() else None))
         return metrics
 
     @contextlib.contextmanager

@@ -883,20 +883,16 @@ def trainable_groups(cfg: RLConfig, groups: int, dp: int) -> int:
 
 def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> dict:
     """Push new weights to the servers and, optionally, check them with a log-prob probe."""
-    from megatron_klear.rollout.weight_sync import trainer_sequence_logprobs
+    from megatron_klear.rollout.weight_sync import probe_asker, probe_ids, probe_metrics, \
+        trainer_sequence_logprobs
 
     engine.gather_params()  # the distributed optimizer may defer the all-gather
     metrics = dict(sync.sync(weight_version=version))
     if cfg.probe_weights:
-        probe_ids = list(range(1, min(engine.arch.vocab_size, 33)))
-        trainer_lp = trainer_sequence_logprobs(engine.model, engine.arch, probe_ids)
-        asks = trainer_lp is not None and parallel_state.get_tensor_model_parallel_rank() == 0
-        probe = (sync.probe(probe_ids, trainer_lp), float(trainer_lp.mean())) if asks else None
-        held = [None] * torch.distributed.get_world_size()  # one rank asked: share its answer
-        torch.distributed.all_gather_object(held, probe)
-        diff, mean_lp = next(p for p in held if p is not None)
-        metrics["weight_sync/probe_max_abs_diff"] = diff
-        metrics["weight_sync/probe_logprob_mean"] = mean_lp  # moves when the weights move
+        ids = probe_ids(engine.arch)
+        pending = sync.request_probe(ids) if probe_asker() else None  # servers work meanwhile
+        trainer_lp = trainer_sequence_logprobs(engine.model, engine.arch, ids)
+        metrics.update(probe_metrics(sync, ids, trainer_lp, pending))
     return metrics
 
 
