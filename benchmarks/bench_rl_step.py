@@ -7,14 +7,15 @@ optimizer step) on a rollout batch with long-tail response lengths (max/mean ~ 4
 micro-batches vs THD token-budget packs (--max-tokens-per-gpu), alternating in one process
 (TP=1, 1 rank, 2 threads); tokens/s counts real (non-padding) tokens.
 
-Part 2 (trl): wall seconds per RL step (generate, reward, train, weight sync) of klear-rl
-(torchrun + embedded rollout servers, --share-prompts: each prompt trained once for its n
-samples, exact) and of TRL's GRPOTrainer (one process, 2 threads)
-on the same model, prompts, n, length, reward and optimizer steps (one per RL step), side
-by side and repeated, at two settings: this bench's own ("bench") and the held-out issue-14
-shape ("held-out": hidden 128, 4 layers, 16 prompts x 8 samples, 32 new tokens, fp32).
-TRL is not a dependency of megatron-klear: ``pip install trl`` adds the peer column;
-without it the bench says so and prints klear-rl alone.
+Part 2 (trl): wall seconds per RL step (generate, reward, train, weight sync, probe) of
+klear-rl (torchrun on 2 ranks + embedded rollout servers) and of TRL's GRPOTrainer (one
+process, 2 threads) on the same model, prompts, n, length, reward and optimizer steps (one
+per RL step), side by side and repeated, at two settings: this bench's own ("bench") and the
+held-out issue-14 shape ("held-out": hidden 128, 4 layers, 16 prompts x 8 samples, 32 new
+tokens, fp32). klear-rl runs at its defaults ("defaults": no tuning flag) and with one
+default changed per layout (LAYOUTS); TRL in each of TRL_CONFIGS, and the ratio is taken
+against TRL's fastest. TRL is not a dependency of megatron-klear: ``pip install trl`` adds
+the peer column; without it the bench says so and prints klear-rl alone.
 
 Part 3 (async): wall seconds per RL step of klear-rl synchronous vs ``--async-rollout``
 (--max-staleness 1, --async-inflight pause_in_place), same seeds, model, prompts and embedded
@@ -44,13 +45,18 @@ SETTINGS = {
     "held-out": ({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
                   "head_dim": 32}, 16, 8, 32),
 }
-# klear-rl layouts: name -> (processes, extra flags); "-2srv": two embedded rollout servers
-# (one decode thread each), which split every rollout between them
+# klear-rl layouts: name -> (processes, flags beyond the work's own). "defaults" is the
+# command a user types: torchrun on 2 ranks and no tuning flags, so prompt sharing, token
+# packs, embedded servers (one per core) and threads (cores / ranks) take their defaults.
+# The others change one default each, to show what it buys.
 LAYOUTS = {
-    "tp1-1rank": (1, []),
-    "tp1-dp2": (2, []),
-    "tp1-dp2-2srv": (2, ["--rollout-num-servers", "2"]),
+    "defaults": (2, []),
+    "1srv-2threads": (2, ["--rollout-num-servers", "1"]),
+    "no-share": (2, ["--no-share-prompts"]),
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "1rank": (1, []),
+    "raw-prompts": (2, ["--prompt-template", "raw"]),
+    "1rank-raw-prompts": (1, ["--prompt-template", "raw"]),
 }
 
 
@@ -133,9 +139,11 @@ def packing_part(work: Path, repeats: int) -> dict:
 # --------------------------------------------------------------------------- part 2: vs TRL
 
 def klear_step(hf: Path, data: Path, work: Path, prompts: int, n: int, max_new: int,
-               layout: str, steps: int, extra: Sequence[str] = (), threads: int = 2) -> dict:
+               layout: str, steps: int, extra: Sequence[str] = ()) -> dict:
     """Mean wall seconds per RL step (steps 2..) and mean phases of one klear-rl run
-    (``extra``: more klear-rl flags; ``threads``: the trainer's, split among its ranks)."""
+    (``extra``: more klear-rl flags). Beyond the layout's flags the command carries only the
+    work's own (batch, samples, length, LR, steps) and ``--no-dynamic-sampling``: TRL
+    neither drops zero-advantage groups nor generates more to refill them."""
     from megatron_klear.train.metrics import read_metrics
 
     procs, flags = LAYOUTS[layout]
@@ -144,12 +152,10 @@ def klear_step(hf: Path, data: Path, work: Path, prompts: int, n: int, max_new: 
            f"--nproc-per-node={procs}", "-m", "megatron_klear.train.rl", "--hf-checkpoint",
            str(hf), "--prompt-data", str(data), *flags, "--rollout-batch-size", str(prompts),
            "--mini-batch-size", str(prompts), "--n-samples-per-prompt", str(n),
-           "--max-tokens-per-gpu", "4096", "--micro-batch-size", "1",
            "--rollout-max-response-len", str(max_new), "--no-dynamic-sampling",
            "--train-iters", str(steps), "--save", str(save), "--no-progress-bar",
-           "--no-probe-weights", "--lr", "2e-4", "--share-prompts", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(threads // procs, 1)))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+           "--lr", "2e-4", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"klear-rl failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
     records = read_metrics(save / "metrics.jsonl")
@@ -160,15 +166,18 @@ def klear_step(hf: Path, data: Path, work: Path, prompts: int, n: int, max_new: 
     return out
 
 
-def trl_step(hf: Path, data: Path, prompts: int, n: int, max_new: int, steps: int) -> float:
+def trl_step(hf: Path, data: Path, prompts: int, n: int, max_new: int, steps: int,
+             config: str) -> float:
     out = subprocess.run([sys.executable, __file__, "--trl-worker", str(hf), str(data),
-                          str(prompts), str(n), str(max_new), str(steps)],
+                          str(prompts), str(n), str(max_new), str(steps), config],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds_per_step"]
 
 
-def trl_part(work: Path, steps: int, repeats: int, layouts: list[str], settings: list[str]
-             ) -> dict:
+def trl_part(work: Path, steps: int, repeats: int, layouts: list[str], settings: list[str],
+             trl_configs: list[str]) -> dict:
+    """klear-rl's layouts and TRL's configurations, alternating, per setting; the ratio is
+    TRL's fastest configuration over klear-rl at its defaults."""
     from megatron_klear.data.synthetic import write_arithmetic_data
     from megatron_klear.models.tiny import save_tiny_hf_model
 
@@ -176,36 +185,46 @@ def trl_part(work: Path, steps: int, repeats: int, layouts: list[str], settings:
     if not have_trl:
         print("TRL: not installed here, no GRPOTrainer column (pip install trl to add it; it is "
               "not a megatron-klear dependency)")
+        trl_configs = []
     data = write_arithmetic_data(work / "data")["rl"]
     result = {}
     for name in settings:
         arch, prompts, n, max_new = SETTINGS[name]
         hf = save_tiny_hf_model(work / f"hf_{name}", seed=0, **arch)
         runs: dict[str, list] = {lay: [] for lay in layouts}
-        trl: list[float] = []
+        trl: dict[str, list[float]] = {c: [] for c in trl_configs}
         for _ in range(repeats):  # alternate, so that load changes hit both sides alike
             for lay in layouts:
                 runs[lay].append(klear_step(hf, data, work, prompts, n, max_new, lay, steps))
-            if have_trl:
-                trl.append(trl_step(hf, data, prompts, n, max_new, steps))
+            for c in trl_configs:
+                trl[c].append(trl_step(hf, data, prompts, n, max_new, steps, c))
         med = {lay: statistics.median(r["seconds_per_step"] for r in rs)
                for lay, rs in runs.items()}
-        best = min(med, key=med.get)
         print(f"Part 2 [{name}]: {prompts} prompts x {n} samples, {max_new} new tokens, model "
               f"{arch or 'quickstart tiny (hidden 64, 2 layers)'}; median of {repeats} runs of "
               f"{steps} steps (step 1 dropped)")
         for lay in layouts:
             phases = {k: statistics.median(r[k] for r in runs[lay]) for k in PHASES}
-            print(f"  klear-rl {lay:10s} {med[lay]:6.3f} s/step  (" + ", ".join(
-                f"{k.split('/')[1].removesuffix('_s')} {v:.3f}" for k, v in phases.items()) + ")")
-        entry = {"klear_seconds_per_step": med, "best_layout": best}
+            laps = ", ".join(f"{r['seconds_per_step']:.3f}" for r in runs[lay])
+            print(f"  klear-rl {lay:14s} {med[lay]:6.3f} s/step  (" + ", ".join(
+                f"{k.split('/')[1].removesuffix('_s')} {v:.3f}" for k, v in phases.items())
+                + f"; runs {laps})")
+        entry: dict = {"klear_seconds_per_step": med}
         if trl:
-            t = statistics.median(trl)
-            entry.update(trl_seconds_per_step=t, speedup_vs_trl=t / med[best])
-            print(f"  TRL GRPOTrainer      {t:6.3f} s/step  (runs: "
-                  f"{', '.join(f'{x:.3f}' for x in trl)})")
-            print(f"  klear-rl ({best}) is {t / med[best]:.2f}x faster than TRL per RL step "
-                  f"(target >= 1.5x)")
+            tmed = {c: statistics.median(t) for c, t in trl.items()}
+            for c, t in trl.items():
+                print(f"  TRL {c:19s} {tmed[c]:6.3f} s/step  (runs: "
+                      f"{', '.join(f'{x:.3f}' for x in t)})")
+            entry["trl_seconds_per_step"] = tmed
+            for fmt, klear in SAME_WORK.items():  # each prompt format is its own work
+                ours = [c for c in tmed if TRL_CONFIGS[c][1].endswith("raw") == (fmt == "raw")]
+                if klear not in med or not ours:
+                    continue
+                fastest = min(ours, key=tmed.get)
+                ratio = tmed[fastest] / med[klear]
+                entry[f"speedup_vs_trl_{fmt}"] = ratio
+                print(f"  {fmt} prompts: klear-rl {klear} is {ratio:.2f}x faster than TRL at its "
+                      f"fastest ({fastest}) per RL step (target >= 1.5x)")
         result[name] = entry
     return result
 
@@ -213,11 +232,12 @@ def trl_part(work: Path, steps: int, repeats: int, layouts: list[str], settings:
 # --------------------------------------------------------------------------- part 3: async
 
 ASYNC_FLAGS = ["--async-rollout", "--max-staleness", "1", "--async-inflight", "pause_in_place"]
-# name -> (trainer threads, flags); the embedded server decodes on 1 thread. Async overlaps
-# the trainer with the server, so on 2 cores it may fare better with a 1-thread trainer; both
-# modes run at both thread counts, and the best of each is compared.
-ASYNC_MODES = {f"{mode}-{t}thread": (t, flags) for t in (2, 1)
-               for mode, flags in (("sync", []), ("async", ASYNC_FLAGS))}
+# name -> flags, on one rank. At the defaults a synchronous run gives the trainer and then
+# the embedded servers every core in turn, and an async run, where they overlap, half each;
+# "-1thread" sets the trainer to one thread, as the async rounds before the defaults did.
+ASYNC_MODES = {"sync": [], "async": ASYNC_FLAGS,
+               "sync-1thread": ["--cpu-threads", "1"],
+               "async-1thread": ASYNC_FLAGS + ["--cpu-threads", "1"]}
 
 
 def async_part(work: Path, steps: int, repeats: int, setting: str) -> dict:
@@ -230,12 +250,13 @@ def async_part(work: Path, steps: int, repeats: int, setting: str) -> dict:
     hf = save_tiny_hf_model(work / f"hf_async_{setting}", seed=0, **arch)
     runs: dict[str, list] = {m: [] for m in ASYNC_MODES}
     for _ in range(repeats):
-        for mode, (threads, flags) in ASYNC_MODES.items():
-            runs[mode].append(klear_step(hf, data, work, prompts, n, max_new, "tp1-1rank",
-                                         steps, flags, threads))
+        for mode, flags in ASYNC_MODES.items():
+            runs[mode].append(klear_step(hf, data, work, prompts, n, max_new, "1rank",
+                                         steps, flags))
     med = {m: statistics.median(r["seconds_per_step"] for r in rs) for m, rs in runs.items()}
     print(f"Part 3 [{setting}]: sync vs async, {prompts} prompts x {n} samples, {max_new} new "
-          f"tokens, tp1-1rank + 1 embedded server; median of {repeats} runs of {steps} steps "
+          f"tokens, 1 rank + embedded servers at their defaults; median of {repeats} runs of "
+          f"{steps} steps "
           "(step 1 dropped)")
     for mode, rs in runs.items():
         ph = {k: statistics.median(r[k] for r in rs)
@@ -248,20 +269,34 @@ def async_part(work: Path, steps: int, repeats: int, setting: str) -> dict:
               f"{ph['rollout/staleness']:.2f})")
     best = {m: min((k for k in med if k.startswith(m)), key=med.get) for m in ("sync", "async")}
     ratio = med[best["sync"]] / med[best["async"]]
-    for t in (2, 1):
-        same = med[f"sync-{t}thread"] / med[f"async-{t}thread"]
-        print(f"  {t} trainer thread(s): sync / async {same:.2f}x")
+    for suffix in ("", "-1thread"):
+        same = med[f"sync{suffix}"] / med[f"async{suffix}"]
+        print(f"  trainer threads {suffix.strip('-') or 'default'}: sync / async {same:.2f}x")
     print(f"  best sync ({best['sync']}) / best async ({best['async']}): {ratio:.2f}x per RL step "
           "(> 1: async faster; target: faster)")
     return {"async_seconds_per_step": med, "async_best": best, "async_speedup": ratio}
 
 
-def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, steps: int) -> None:
-    """TRL's GRPOTrainer on the same setup; prints the mean seconds per RL step.
+# The same work per prompt format (chat template, or raw text as the prompt): klear-rl's
+# layout at its defaults for it, compared with TRL's fastest configuration of that format.
+SAME_WORK = {"chat": "defaults", "raw": "raw-prompts"}
+# TRL GRPOTrainer configurations: name -> (gradient-accumulation steps, reward). "best" is
+# TRL's fastest for this work: the whole generation batch (prompts x n) is one training batch
+# (per_device_train_batch_size = prompts x n, no accumulation rounds), one generation and one
+# optimizer step per RL step (as klear-rl), 2 torch threads (the machine's cores), and the
+# reward klear-rl scores with (megatron_klear.rewards.score_batch("math")), so neither side
+# pays more for rewards. "ga2" is the earlier rounds' configuration (2 accumulation rounds of
+# half the batch); "cheap-reward" replaces the verifier by a substring test, TRL's floor;
+# "raw-prompts" passes the prompts as plain text, without the chat template (the format of
+# the TRL run in issue 32), against klear-rl's "raw-prompts" layout (--prompt-template raw).
+TRL_CONFIGS = {"best": (1, "math"), "ga2": (2, "math"), "cheap-reward": (1, "substring"),
+               "raw-prompts": (1, "math-raw")}
 
-    One generation batch (num_prompts x n) per optimizer step, 2 gradient-accumulation
-    micro-batches, beta 0 (no reference model), as klear-rl's one mini-batch per RL step.
-    """
+
+def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, steps: int,
+               config: str) -> None:
+    """TRL's GRPOTrainer in ``config`` (TRL_CONFIGS) on the same setup; prints the mean
+    seconds per RL step. Beta 0 (no reference model), loss "dapo" (token-level, as ours)."""
     import torch
     from datasets import load_dataset
     from transformers import TrainerCallback
@@ -269,12 +304,17 @@ def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, st
 
     from megatron_klear.rewards import score_batch
 
+    accumulation, reward_kind = TRL_CONFIGS[config]
     torch.set_num_threads(2)
-    ds = load_dataset("json", data_files=prompts, split="train").map(
-        lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}]})
+    ds = load_dataset("json", data_files=prompts, split="train")
+    if reward_kind != "math-raw":  # conversational prompts: the chat template, as klear-rl's
+        ds = ds.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}]})
 
     def reward(completions, answer, **_):
-        return score_batch("math", [c[0]["content"] for c in completions], list(answer))
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        if reward_kind == "substring":
+            return [float(f"\\boxed{{{a}}}" in t) for t, a in zip(texts, answer)]
+        return score_batch("math", texts, list(answer))  # "math" and "math-raw"
 
     stamps: list[float] = []
 
@@ -283,11 +323,11 @@ def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, st
             stamps.append(time.perf_counter())
 
     cfg = GRPOConfig(output_dir=tempfile.mkdtemp(),
-                     per_device_train_batch_size=num_prompts * n // 2,
-                     gradient_accumulation_steps=2, num_generations=n,
+                     per_device_train_batch_size=num_prompts * n // accumulation,
+                     gradient_accumulation_steps=accumulation, num_generations=n,
                      max_completion_length=max_new, temperature=1.0, beta=0.0, learning_rate=2e-4,
-                     max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
-                     use_cpu=True, bf16=False, seed=0)
+                     loss_type="dapo", max_steps=steps, logging_steps=1, report_to="none",
+                     save_strategy="no", use_cpu=True, bf16=False, seed=0)
     trainer = GRPOTrainer(model=hf, reward_funcs=reward, args=cfg, train_dataset=ds,
                           callbacks=[Clock()])
     start = time.perf_counter()
@@ -301,9 +341,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--part", choices=("all", "packing", "trl", "async"), default="all")
-    p.add_argument("--layouts", default="tp1-1rank,tp1-dp2,tp1-dp2-2srv,tp2",
+    p.add_argument("--layouts", default="defaults,raw-prompts,1srv-2threads,no-share",
                    help=f"klear-rl layouts to time, from {sorted(LAYOUTS)}")
     p.add_argument("--settings", default="bench,held-out", help=f"from {sorted(SETTINGS)}")
+    p.add_argument("--trl-configs", default=",".join(TRL_CONFIGS),
+                   help=f"TRL configurations to time, from {sorted(TRL_CONFIGS)}")
     args = p.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.1f} (2 cores; other jobs slow both sides)")
     work = Path(tempfile.mkdtemp(prefix="bench_rl_"))
@@ -312,7 +354,7 @@ def main() -> None:
         result.update(packing_part(work, args.repeats))
     if args.part in ("all", "trl"):
         result.update(trl_part(work, args.steps, args.repeats, args.layouts.split(","),
-                               args.settings.split(",")))
+                               args.settings.split(","), args.trl_configs.split(",")))
     if args.part in ("all", "async"):
         result.update(async_part(work, args.steps, args.repeats, args.settings.split(",")[0]))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
@@ -321,6 +363,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        trl_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8]))
+        trl_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8]), sys.argv[8])
     else:
         main()
