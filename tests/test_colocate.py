@@ -116,7 +116,8 @@ def _separate_then_colocated(rank: int, world: int, argv: list[str], root: str) 
     keys = ("train/loss", "grad_norm", "rollout/reward_mean",
             "weight_sync/probe_logprob_mean", "weight_sync/bytes")
     out = {}
-    # --sglang-tp-size 2: one embedded server for the two ranks, as the separate run has
+    # --sglang-tp-size 2: one embedded server for the two ranks; the separate run starts its
+    # default number (one per core), and rollouts do not depend on the number of servers
     colocated = ["--colocate", "--sglang-tp-size", "2"]
     for mode, extra in (("separate", []), ("colocated", colocated)):
         hist = train(parse_config(RLConfig, argv + extra + ["--save", f"{root}/{mode}"]))
