@@ -210,7 +210,8 @@ def test_no_server_left_fails_clearly_resumes_and_sigkill_leaves_no_orphans(
     checkpoint-writer manager running: none of its processes outlives it; 3) the next rerun
     finishes every step exactly once."""
     save, metrics = tmp_path / "ck", tmp_path / "ck" / "metrics.jsonl"
-    cmd = _rl_cmd(model_dir, rl_prompts, save, 3, "--reward", "math")
+    cmd = _rl_cmd(model_dir, rl_prompts, save, 3, "--reward", "math",
+                  "--rollout-num-servers", "1")  # the default starts one per core
     proc = _start(cmd)
     _wait_steps(proc, metrics, 1)
     _servers_of(proc)[0].kill()
