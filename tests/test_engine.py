@@ -81,8 +81,9 @@ def test_layouts_match_tp1(reference, tp, pp):
 def test_one_process_keeps_its_rendezvous_out_of_the_environment():
     """A process outside torchrun rendezvouses on a private free port that its children do not
     inherit. In the CI run of 2026-12-03 torch.distributed had been initialised in pytest's
-    own process, which left MASTER_PORT in os.environ with its TCPStore still listening, and
-    every later one-process trainer started by pytest died with EADDRINUSE on that port."""
+    own process (test_readme_usage_runs_as_written calls convert_megatron_to_hf in-process, as
+    a library user may), which left MASTER_PORT in os.environ with its TCPStore still
+    listening, and every later one-process trainer started by pytest died with EADDRINUSE."""
     import os
     import subprocess
     import sys
