@@ -145,13 +145,11 @@ def standard_error(values: Sequence[float]) -> float:
 
 def problem_means(samples_path: str | Path, benchmark: str) -> dict[int, float]:
     """Each problem's mean score in a klear-eval ``samples.jsonl``, for ``benchmark``."""
-    scores: dict[int, list[float]] = defaultdict(list)
-    for r in (json.loads(line) for line in Path(samples_path).read_text().splitlines()):
-        if r["benchmark"] == benchmark:
-            scores[r["problem"]].append(r["score"])
-    if not scores:
+    means = {p: mean(r["score"] for r in rs)
+             for (name, p), rs in _done(Path(samples_path)).items() if name == benchmark}
+    if not means:
         raise ValueError(f"{samples_path}: no samples of benchmark {benchmark!r}")
-    return {p: mean(v) for p, v in scores.items()}
+    return means
 
 
 def paired_gain(before: str | Path, after: str | Path, benchmark: str) -> tuple[float, float]:
