@@ -217,7 +217,7 @@ def trl_part(work: Path, steps: int, repeats: int, layouts: list[str], settings:
                       f"{', '.join(f'{x:.3f}' for x in t)})")
             entry["trl_seconds_per_step"] = tmed
             for fmt, klear in SAME_WORK.items():  # each prompt format is its own work
-                ours = [c for c in tmed if TRL_CONFIGS[c][1].endswith("raw") == (fmt == "raw")]
+                ours = [c for c in tmed if TRL_CONFIGS[c][2] == fmt]
                 if klear not in med or not ours:
                     continue
                 fastest = min(ours, key=tmed.get)
@@ -280,7 +280,8 @@ def async_part(work: Path, steps: int, repeats: int, setting: str) -> dict:
 # The same work per prompt format (chat template, or raw text as the prompt): klear-rl's
 # layout at its defaults for it, compared with TRL's fastest configuration of that format.
 SAME_WORK = {"chat": "defaults", "raw": "raw-prompts"}
-# TRL GRPOTrainer configurations: name -> (gradient-accumulation steps, reward). "best" is
+# TRL GRPOTrainer configurations: name -> (gradient-accumulation steps, reward, prompt format
+# as in SAME_WORK). "best" is
 # TRL's fastest for this work: the whole generation batch (prompts x n) is one training batch
 # (per_device_train_batch_size = prompts x n, no accumulation rounds), one generation and one
 # optimizer step per RL step (as klear-rl), 2 torch threads (the machine's cores), and the
@@ -289,8 +290,8 @@ SAME_WORK = {"chat": "defaults", "raw": "raw-prompts"}
 # half the batch); "cheap-reward" replaces the verifier by a substring test, TRL's floor;
 # "raw-prompts" passes the prompts as plain text, without the chat template (the format of
 # the TRL run in issue 32), against klear-rl's "raw-prompts" layout (--prompt-template raw).
-TRL_CONFIGS = {"best": (1, "math"), "ga2": (2, "math"), "cheap-reward": (1, "substring"),
-               "raw-prompts": (1, "math-raw")}
+TRL_CONFIGS = {"best": (1, "math", "chat"), "ga2": (2, "math", "chat"),
+               "cheap-reward": (1, "substring", "chat"), "raw-prompts": (1, "math", "raw")}
 
 
 def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, steps: int,
@@ -304,17 +305,17 @@ def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, st
 
     from megatron_klear.rewards import score_batch
 
-    accumulation, reward_kind = TRL_CONFIGS[config]
+    accumulation, reward_kind, prompt_format = TRL_CONFIGS[config]
     torch.set_num_threads(2)
     ds = load_dataset("json", data_files=prompts, split="train")
-    if reward_kind != "math-raw":  # conversational prompts: the chat template, as klear-rl's
+    if prompt_format == "chat":  # conversational prompts: the chat template, as klear-rl's
         ds = ds.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}]})
 
     def reward(completions, answer, **_):
         texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
         if reward_kind == "substring":
             return [float(f"\\boxed{{{a}}}" in t) for t, a in zip(texts, answer)]
-        return score_batch("math", texts, list(answer))  # "math" and "math-raw"
+        return score_batch("math", texts, list(answer))
 
     stamps: list[float] = []
 
