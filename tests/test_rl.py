@@ -1,5 +1,6 @@
 """GPPO RL trainer: hand-computed loss on a fixed batch, and real runs with embedded servers."""
 
+import functools
 import json
 import math
 import os
@@ -157,8 +158,8 @@ def _budget_vs_padded(rank, world, hf_dir):
 
     from megatron_klear.checkpoint.convert import SafetensorsReader
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.models import varlen_attention
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.models.varlen_attention import VarlenCoreAttention
     from megatron_klear.train.engine import build_engine, initialize_parallel
     from megatron_klear.train.rl import RLConfig, old_logprobs, policy_loss_fn, \
         rollout_microbatches
@@ -194,8 +195,9 @@ def _budget_vs_padded(rank, world, hf_dir):
         padded, loss_pad, g_pad = step(replace(cfg, pack_sequences=False,
                                                max_tokens_per_gpu=None), precompute_old=True)
         shared, loss_share, g_share = step(replace(cfg, share_prompts=True), False)
-        with mock.patch.object(VarlenCoreAttention, "_continue_positions",
-                               lambda self, q, k, *_: (q, k)):  # negative control
+        unshifted = functools.partial(varlen_attention.pack_positions, parents=None)
+        with mock.patch.object(varlen_attention, "pack_positions",  # negative control: branches
+                               lambda cu, parents: unshifted(cu)):  # restart at position 0
             _, loss_noshift, _ = step(replace(cfg, share_prompts=True), False)
         out[f"tp{tp}pp{pp}"] = dict(
             loss_pack=loss_pack, loss_pad=loss_pad, loss_share=loss_share,

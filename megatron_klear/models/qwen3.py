@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -31,7 +32,7 @@ from megatron.core.transformer.transformer_block import (LayerNormImpl,
 from megatron_klear.config import ConfigError
 from megatron_klear.models.norms import norm_specs
 from megatron_klear.models.pipeline_layout import PipelineLayout
-from megatron_klear.models.varlen_attention import VarlenCoreAttention
+from megatron_klear.models.varlen_attention import PackRotaryEmbedding, VarlenCoreAttention
 
 try:  # Transformer Engine is optional (GPU only)
     import transformer_engine  # noqa: F401
@@ -374,8 +375,12 @@ def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: 
         rotary_base=int(arch.rope_theta),
         vp_stage=vp_stage,
     )
-    if not arch.rope_scaling:  # prompt sharing: branches continue their prompt's positions
-        for module in model.modules():
-            if isinstance(module, VarlenCoreAttention):
-                module.position_emb = model.rotary_pos_emb.get_emb
+    cores = [m for m in model.modules() if isinstance(m, VarlenCoreAttention)]
+    if cores and not arch.rope_scaling:  # THD packs are rotated per token by the core attention
+        if type(model.rotary_pos_emb) is not RotaryEmbedding:
+            raise TypeError(f"expected megatron's RotaryEmbedding for plain RoPE, got "
+                            f"{type(model.rotary_pos_emb).__name__}")
+        model.rotary_pos_emb.__class__ = PackRotaryEmbedding  # same state, packs left unrotated
+        for module in cores:
+            module.position_emb = model.rotary_pos_emb.get_emb
     return model

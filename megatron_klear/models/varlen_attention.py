@@ -12,7 +12,8 @@ Prompt sharing (RL, ``--share-prompts``): the n samples of a prompt carry it onc
 prefix segment plus one branch segment per sample (:func:`~megatron_klear.data.packing.thd_pack`
 with ``prompt_lens``). A branch attends to its prefix, then causally to itself, and its RoPE
 positions continue the prefix's; this is a tree mask, which TE's THD attention cannot express,
-so prompt sharing is a local-spec feature.
+so prompt sharing is a local-spec feature. With plain RoPE the module also rotates a pack's
+queries and keys itself, per token (:class:`PackRotaryEmbedding`).
 
 Without ``packed_seq_params`` it is megatron's ``DotProductAttention`` unchanged. On GPU the
 Transformer Engine spec serves packs with TE's own THD attention instead.
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
@@ -162,12 +164,34 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
 @dataclass
 class SharedPrefixParams(PackedSeqParams):
     """A THD pack with prompt sharing: ``parent_segment[i]`` is the segment that segment i
-    sees before its own tokens, and whose positions it continues (-1: none).
-    ``branch_rotation`` [T, 1, 1, d] is made by the first attention layer that needs it and
-    reused by the others (one per micro-batch)."""
+    sees before its own tokens, and whose positions it continues (-1: none)."""
 
     parent_segment: Tensor | None = None
-    branch_rotation: Tensor | None = None
+
+
+def pack_positions(cu_seqlens: list[int], parents: list[int] | None = None) -> Tensor:
+    """Each token's RoPE position in a pack [T]: its offset in its segment, plus the length of
+    the segment it continues (``parents`` as in :class:`SharedPrefixParams`; None: none)."""
+    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])])
+    starts = torch.tensor(cu_seqlens[:-1])
+    shift = torch.tensor([int(lengths[p]) if p >= 0 else 0 for p in parents]) \
+        if parents is not None else torch.zeros_like(lengths)
+    return torch.arange(cu_seqlens[-1]) + torch.repeat_interleave(shift - starts, lengths)
+
+
+class PackRotaryEmbedding(RotaryEmbedding):
+    """megatron's plain RotaryEmbedding, except that it gives no angles for a THD pack, so that
+    megatron's attention leaves the pack unrotated and :class:`VarlenCoreAttention` rotates
+    it: in one pass per tensor, at positions made once per micro-batch. megatron's own THD
+    RoPE loops over the pack's sequences, and a shared prompt's branches then needed a second
+    rotation to continue their prompt's positions. (models.qwen3.build_gpt_model sets it
+    with the local spec and plain RoPE.)"""
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group=None) -> Tensor | None:  # noqa: D102
+        if packed_seq:
+            return None
+        return super().forward(max_seq_len, offset, packed_seq, cp_group)
 
 
 def _cached_plan(params: PackedSeqParams, num_heads: int, device: torch.device) -> VarlenPlan:
@@ -183,10 +207,11 @@ def _cached_plan(params: PackedSeqParams, num_heads: int, device: torch.device) 
 
 
 class VarlenCoreAttention(DotProductAttention):
-    """megatron's DotProductAttention plus THD packs (attention within each sequence) and
-    prompt sharing (:class:`SharedPrefixParams`)."""
+    """megatron's DotProductAttention plus THD packs (attention within each sequence, RoPE per
+    token) and prompt sharing (:class:`SharedPrefixParams`)."""
 
-    # the model's RoPE table, ``get_emb(n)`` -> [n, 1, 1, d] (set by models.qwen3.build_gpt_model)
+    # the model's RoPE table, ``get_emb(n)`` -> [n, 1, 1, d], set by models.qwen3.build_gpt_model
+    # with plain RoPE, where the model's PackRotaryEmbedding leaves packs to this module
     position_emb: Callable[[int], Tensor] | None = None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -199,8 +224,12 @@ class VarlenCoreAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
             raise ValueError("VarlenCoreAttention serves qkv_format 'thd' packs without "
                              f"attention_bias (got {packed_seq_params.qkv_format!r})")
-        if getattr(packed_seq_params, "parent_segment", None) is not None:
-            query, key = self._continue_positions(query, key, packed_seq_params)
+        if self.position_emb is not None:
+            query, key = self._rotate(query, key, packed_seq_params)
+        elif getattr(packed_seq_params, "parent_segment", None) is not None:
+            raise ValueError("prompt sharing needs the model's plain RoPE table on the core "
+                             "attention (models.qwen3.build_gpt_model sets it; rope scaling "
+                             "such as yarn is not supported): drop --share-prompts")
         plan = _cached_plan(packed_seq_params, query.shape[1], query.device)
         p = self.attention_dropout.p if self.training else 0.0
         with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -208,29 +237,19 @@ class VarlenCoreAttention(DotProductAttention):
                                           scale=self.softmax_scale, dropout_p=p, plan=plan)
         return out.reshape(out.shape[0], -1)
 
-    def _continue_positions(self, query: Tensor, key: Tensor, params: SharedPrefixParams
-                            ) -> tuple[Tensor, Tensor]:
-        """Rotate each branch's queries and keys on by its prefix's length: megatron's THD RoPE
-        starts every segment at position 0, a branch continues its prompt."""
-        if params.branch_rotation is None:
-            params.branch_rotation = self._branch_rotation(params)
-        emb = params.branch_rotation
+    def _rotate(self, query: Tensor, key: Tensor, params: PackedSeqParams
+                ) -> tuple[Tensor, Tensor]:
+        """Queries and keys rotated at :func:`pack_positions` (the angles [T, 1, 1, d] are made
+        by the first layer and kept on ``params``)."""
+        emb = getattr(params, "klear_rotation", None)
+        if emb is None:
+            parents = getattr(params, "parent_segment", None)
+            positions = pack_positions(params.cu_seqlens_q.tolist(),
+                                       None if parents is None else parents.tolist())
+            table = self.position_emb(int(positions.max()) + 1)
+            emb = params.klear_rotation = table[positions.to(table.device)]
 
         def rotate(t: Tensor) -> Tensor:
             return apply_rotary_pos_emb(t.unsqueeze(1), emb, self.config).squeeze(1)
 
         return rotate(query), rotate(key)
-
-    def _branch_rotation(self, params: SharedPrefixParams) -> Tensor:
-        """Each token's RoPE angles by its prefix's length (0 outside branches), [T, 1, 1, d]."""
-        if self.position_emb is None:
-            raise ValueError("prompt sharing needs the model's plain RoPE table on the core "
-                             "attention (models.qwen3.build_gpt_model sets it; rope scaling "
-                             "such as yarn is not supported): drop --share-prompts")
-        cu = params.cu_seqlens_q.tolist()
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
-        shift = torch.repeat_interleave(
-            torch.tensor([lengths[p] if p >= 0 else 0 for p in params.parent_segment.tolist()]),
-            torch.tensor(lengths))
-        table = self.position_emb(int(shift.max()) + 1)
-        return table[shift.to(table.device)]
