@@ -89,11 +89,12 @@ def test_garbage_never_raises(garbage):
 def test_hard_timeout_kills_and_replaces_worker():
     pool = MathVerifierPool(max_workers=1)
     try:
-        assert pool.score("\\boxed{5}", "5") == 1.0  # warm worker
+        # decimals, not integers: those are decided without a worker (plain_verdict)
+        assert pool.score("\\boxed{5.0}", "5") == 1.0  # warm worker
         start = time.monotonic()
-        assert pool.score("\\boxed{5}", "5", timeout_s=0.0) == 0.0  # deadline already passed
+        assert pool.score("\\boxed{5.0}", "5", timeout_s=0.0) == 0.0  # deadline passed
         assert time.monotonic() - start < 1.0
-        assert pool.score("\\boxed{6}", "6") == 1.0  # a fresh worker took over
+        assert pool.score("\\boxed{6.0}", "6") == 1.0  # a fresh worker took over
     finally:
         pool.close()
 
@@ -121,3 +122,24 @@ def test_cached_reference_parse_gives_the_same_verdicts():
                 ("\\boxed{0.75}", "\\boxed{3/5}", "\\boxed{\\dfrac{6}{8}}", "\\boxed{4/3}")]
     assert verdicts == [1.0, 0.0, 1.0, 0.0]
     assert _parse_gold.cache_info().hits == 3
+
+
+
+@pytest.mark.parametrize("response,gold,quick", [
+    ("\\boxed{14}", "14", 1.0), ("\\boxed{014}", "14", 1.0), ("\\boxed{ 14 }", "14", 1.0),
+    ("\\boxed{+14}", "14", 1.0), ("\\boxed{-3}", "-3", 1.0), ("\\boxed{3}", "-3", 0.0),
+    ("\\boxed{13}", "14", 0.0), ("<think>\\boxed{14}</think> so \\boxed{15}", "14", 0.0),
+    ("<think>cut \\boxed{14}", "14", 0.0), ("", "14", 0.0),
+    # the verifier decides: no box, or not two integers
+    ("The answer is 14", "14", None), ("\\boxed{14}", "14.5", None),
+    ("\\boxed{14.0}", "14", None), ("\\boxed{7/2}", "3", None),
+    ("\\boxed{" + "9" * 80 + "}", "9" * 80, None)])
+def test_plain_verdict_is_math_verifys(response, gold, quick):
+    """Where the pool skips the verifier process (no final answer; a boxed integer against an
+    integer) its verdict is math-verify's own (verify_in_process); elsewhere it defers."""
+    from megatron_klear.rewards.math import plain_verdict, verify_in_process
+
+    assert plain_verdict(response, gold) == quick
+    if quick is not None:
+        assert quick == verify_in_process(response, gold)
+    assert math_reward(response, gold) == verify_in_process(response, gold)
