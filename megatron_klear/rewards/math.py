@@ -24,6 +24,7 @@ import sys
 import threading
 from typing import Any
 
+from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.rewards.text import final_section, last_boxed
 
 DEFAULT_TIMEOUT_S = 10.0  # hard wall limit per call (parse gold + parse answer + verify)
@@ -125,6 +126,9 @@ def _serve() -> None:
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
     verifiers = _verifiers()
+    import math_verify  # noqa: F401 - imported before the freeze: sympy's heap stays out of it
+
+    freeze_startup_heap()
     for line in sys.stdin:
         fn, failed = verifiers["binary"]
         try:

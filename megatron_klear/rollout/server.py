@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from aiohttp import web
 
+from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.orphans import exit_when_orphaned
 from megatron_klear.rollout.client import encode_routed_experts
 from megatron_klear.rollout.generator import Generator, Sequence
@@ -623,7 +624,9 @@ def main(argv: list[str] | None = None) -> None:
     exit_when_orphaned()  # also when the launcher's parent-death signal cannot fire
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(max(1, args.num_threads))
-    asyncio.run(_serve(args, _load_generator(args)))
+    generator = _load_generator(args)
+    freeze_startup_heap()
+    asyncio.run(_serve(args, generator))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrect
 from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import balance, pack_bins, run_positions, thd_pack
 from megatron_klear.data.prompts import parse_chat_template_kwargs
+from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.models.qwen3 import Qwen3Arch, load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
@@ -775,6 +776,7 @@ def train(cfg: RLConfig) -> list[dict]:
             sync.sync(weight_version=str(step))  # servers start from the trainer's weights
         with contextlib.closing(rollout_source(cfg, client, tokenizer, stream, params,
                                                step)) as source:
+            freeze_startup_heap()  # model, data and clients stay; full collections skip them
             while step < cfg.train_iters:
                 metrics = rl_step(engine, cfg, source, tokenizer, step, reference,
                                   colo.before_train if colo is not None else None)

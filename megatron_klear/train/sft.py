@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import build_packed_batch, pack_bins
 from megatron_klear.data.prompts import parse_chat_template_kwargs, set_chat_template_kwargs
+from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops.backend import loss_backend
@@ -160,6 +161,7 @@ def train(cfg: SFTConfig) -> list[dict]:
         print(f"[sft] {stats.loaded} samples ({stats.truncated} truncated, {stats.dropped} "
               f"dropped, longer than --seq-length {cfg.seq_length})", file=sys.stderr)
     history = []
+    freeze_startup_heap()  # the dataset and model stay; full collections skip them
     while step < cfg.train_iters:
         taken = list(schedule.take(consumed, cfg.global_batch_size))
         mbs, total = make_microbatches(samples, [b for _, b in taken], cfg)
