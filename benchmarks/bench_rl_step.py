@@ -286,7 +286,8 @@ SAME_WORK = {"chat": "defaults", "raw": "raw-prompts"}
 # (per_device_train_batch_size = prompts x n, no accumulation rounds), one generation and one
 # optimizer step per RL step (as klear-rl), 2 torch threads (the machine's cores), and the
 # reward klear-rl scores with (megatron_klear.rewards.score_batch("math")), so neither side
-# pays more for rewards. "ga2" is the earlier rounds' configuration (2 accumulation rounds of
+# pays more for rewards; and in every configuration the worker freezes its start-up heap
+# before training, as klear-rl's processes do (megatron_klear.heap). "ga2" is the earlier rounds' configuration (2 accumulation rounds of
 # half the batch); "cheap-reward" replaces the verifier by a substring test, TRL's floor;
 # "raw-prompts" passes the prompts as plain text, without the chat template (the format of
 # the TRL run in issue 32), against klear-rl's "raw-prompts" layout (--prompt-template raw).
@@ -303,6 +304,7 @@ def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, st
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from megatron_klear.heap import freeze_startup_heap
     from megatron_klear.rewards import score_batch
 
     accumulation, reward_kind, prompt_format = TRL_CONFIGS[config]
@@ -331,6 +333,7 @@ def trl_worker(hf: str, prompts: str, num_prompts: int, n: int, max_new: int, st
                      save_strategy="no", use_cpu=True, bf16=False, seed=0)
     trainer = GRPOTrainer(model=hf, reward_funcs=reward, args=cfg, train_dataset=ds,
                           callbacks=[Clock()])
+    freeze_startup_heap()  # as klear-rl's processes do: no full collections over the imports
     start = time.perf_counter()
     trainer.train()
     laps = [b - a for a, b in zip([start] + stamps, stamps)][1:]  # step 1 includes warm-up
