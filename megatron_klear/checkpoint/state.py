@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from megatron_klear.checkpoint.hf_bridge import unwrap_model
 from megatron_klear.models.qwen3 import qwen3_config_from_hf
+from megatron_klear.orphans import forks_die_with_parent
 
 __all__ = ["CheckpointInfo", "CheckpointError", "save_checkpoint", "load_checkpoint",
            "find_latest_checkpoint", "read_meta", "iteration_dir", "check_same_model",
@@ -256,7 +257,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
     contents += [k for k in ("optimizer", "opt_param_scheduler") if k in state]
     if sharded_strategy is None:
         _orphan_safe_writer_queue()
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
+    with forks_die_with_parent():  # megatron's forked writers must not outlive a killed trainer
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     _barrier()
