@@ -172,11 +172,10 @@ class SharedPrefixParams(PackedSeqParams):
 def pack_positions(cu_seqlens: list[int], parents: list[int] | None = None) -> Tensor:
     """Each token's RoPE position in a pack [T]: its offset in its segment, plus the length of
     the segment it continues (``parents`` as in :class:`SharedPrefixParams`; None: none)."""
-    lengths = torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])])
-    starts = torch.tensor(cu_seqlens[:-1])
-    shift = torch.tensor([int(lengths[p]) if p >= 0 else 0 for p in parents]) \
-        if parents is not None else torch.zeros_like(lengths)
-    return torch.arange(cu_seqlens[-1]) + torch.repeat_interleave(shift - starts, lengths)
+    lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    shift = [lengths[p] if p >= 0 else 0 for p in parents] if parents else [0] * len(lengths)
+    offsets = torch.tensor([s - start for s, start in zip(shift, cu_seqlens)])
+    return torch.arange(cu_seqlens[-1]) + torch.repeat_interleave(offsets, torch.tensor(lengths))
 
 
 class PackRotaryEmbedding(RotaryEmbedding):
