@@ -10,70 +10,22 @@ from __future__ import annotations
 
 import random
 import sys
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.config import ConfigError, TrainConfig, opt
 from megatron_klear.data.packing import build_packed_batch, pack_bins
 from megatron_klear.data.prompts import parse_chat_template_kwargs, set_chat_template_kwargs
 from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
 from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops.backend import loss_backend
-from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import build_engine, restore_or_init
+from megatron_klear.train.sft_config import SFTConfig
 from megatron_klear.train.memory import Workload
 from megatron_klear.train.metrics import MetricsLogger, wandb_settings
 from megatron_klear.train.token_loss import token_nll
-
-
-@dataclass
-class SFTConfig(TrainConfig):
-    """SFT settings (plus every shared trainer flag)."""
-
-    trainer_name = "sft"  # recorded in its checkpoints (not a flag)
-
-    data_path: str | None = opt(None, "SFT data: JSONL or Parquet of prompt/response or messages")
-    prompt_key: str = opt("prompt", "prompt field of a record")
-    response_key: str = opt("response", "response field of a record")
-    messages_key: str = opt("messages", "chat messages field of a record (used when present)")
-    overflow: str = opt("truncate", "sequences longer than --seq-length",
-                        choices=("truncate", "drop"))
-    pack: bool = opt(True, "pack several samples per bin (--no-pack: one sample per bin)")
-    max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: bins of at most "
-                                         "this many tokens, one bin per micro-batch (unset: bins "
-                                         "of --seq-length, --micro-batch-size bins per pack)")
-    export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
-    chat_template_kwargs: str | None = opt(None, "JSON object of chat-template arguments, e.g. "
-                                           "'{\"enable_thinking\": false}' (Qwen3)")
-
-    def validate(self) -> None:  # noqa: D102
-        super().validate()
-        parse_chat_template_kwargs(self.chat_template_kwargs)
-        if not self.data_path:
-            raise ConfigError("--data-path is required (JSONL or Parquet SFT data)")
-        if not self.hf_checkpoint:
-            raise ConfigError("--hf-checkpoint is required (architecture and tokenizer)")
-        if self.context_parallel_size > 1:
-            raise ConfigError(f"--context-parallel-size {self.context_parallel_size}: SFT feeds "
-                              f"THD packs (--no-pack too: one sample per pack), and "
-                              f"{THD_CP_UNSUPPORTED}; use tensor/pipeline parallelism "
-                              "(with --sequence-parallel) for long samples")
-        if self.max_tokens_per_gpu is not None:
-            if self.max_tokens_per_gpu < self.seq_length:
-                raise ConfigError(f"--max-tokens-per-gpu {self.max_tokens_per_gpu} must be >= "
-                                  f"--seq-length {self.seq_length} (the longest sample)")
-            if self.micro_batch_size != 1:
-                raise ConfigError("--max-tokens-per-gpu makes each micro-batch one bin: set "
-                                  "--micro-batch-size 1")
-
-    @property
-    def bin_size(self) -> int:
-        """Next-token positions per bin."""
-        return self.max_tokens_per_gpu or self.seq_length
 
 
 class BinSchedule:
