@@ -117,7 +117,8 @@ def _gpu_path(rank, world, hf_dir, url, tmp):
     from megatron_klear import platform
     from megatron_klear.checkpoint.convert import compare_logits
     from megatron_klear.ops.backend import loss_backend
-    from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
+    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.rollout.probe import trainer_sequence_logprobs
     from tests.virtual_cuda import virtual_cuda_kernels
 
     assert platform.device().type == "cuda" and torch.cuda.is_available()

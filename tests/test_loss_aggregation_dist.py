@@ -60,8 +60,9 @@ def _layouts(rank, world, hf_dir):
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine, initialize_parallel
-    from megatron_klear.train.rl import RLConfig, aggregation_totals, annotate_aggregation, \
-        pad_microbatches, policy_loss_fn
+    from megatron_klear.train.rl import RLConfig
+    from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation, policy_loss_fn
+    from megatron_klear.data.microbatches import pad_microbatches
 
     batch = _batch()
     arch = qwen3_config_from_hf(load_hf_config(hf_dir))
@@ -93,7 +94,7 @@ def _layouts(rank, world, hf_dir):
 
 def _fill_old(vocab_size, ks):
     """A forward-only loss that stores old log-probs = current + _old_shift (and entropy)."""
-    from megatron_klear.train.rl import fill_logprobs
+    from megatron_klear.algo.rl_loss import fill_logprobs
 
     seen = iter(ks)
 

@@ -109,7 +109,7 @@ def test_collect_batch_overgenerates_once_and_keeps_the_first_informative_groups
 def test_overlong_filter_drops_responses_without_eos():
     from megatron_klear.models.tiny import build_tokenizer
     from megatron_klear.rollout.client import SamplingParams
-    from megatron_klear.train.rl import sample_fields
+    from megatron_klear.data.microbatches import sample_fields
 
     tok = build_tokenizer()
     prompts = [PromptSample(0, [{"role": "user", "content": "q"}], "4")]

@@ -80,7 +80,7 @@ def test_config_errors_name_the_flags():
                                             (2, 4, True, 8), (3, 2, True, 6), (4, 3, True, 24)])
 def test_padded_length_multiple_is_what_megatron_splits(cp, tp, sp, want):
     """2 x CP load-balanced chunks; under SP each CP rank's length / CP splits over TP."""
-    from megatron_klear.train.context_parallel import sequence_multiple
+    from megatron_klear.data.microbatches import sequence_multiple
 
     assert sequence_multiple(cp, tp, sp) == want
 

@@ -67,7 +67,7 @@ def _caught(step) -> str | None:
 def _gpu_path(rank, world, tmp):
     from megatron_klear import platform
     from megatron_klear.train import engine as engine_mod
-    from megatron_klear.train.rl import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     assert platform.device().type == "cuda"
@@ -112,7 +112,8 @@ def _padded_sp_step(eng) -> dict:
     over TP 2 unless the length is rounded up (issue 30, defect 7)."""
     from dataclasses import replace
 
-    from megatron_klear.train.rl import rollout_microbatches, train_on_batch
+    from megatron_klear.data.microbatches import rollout_microbatches
+    from megatron_klear.train.rl import train_on_batch
     from megatron_klear.train.rl_data import RolloutBatch
     from tests.virtual_cuda import caught
 
@@ -132,7 +133,8 @@ def _moe_ep2_path(tmp: str) -> dict:
     from megatron_klear.models.qwen3 import qwen3_config_from_hf
     from megatron_klear.models.tiny import tiny_qwen3_moe_config
     from megatron_klear.train.engine import build_engine, initialize_parallel
-    from megatron_klear.train.rl import RLConfig, old_logprobs, policy_loss_fn
+    from megatron_klear.train.rl import RLConfig
+    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     cfg = RLConfig(**{**FLAGS, "tensor_model_parallel_size": 1, "sequence_parallel": False,

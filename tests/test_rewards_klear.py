@@ -70,7 +70,7 @@ def test_code_klear_samples_16_tests_with_a_fixed_seed():
 def test_sft_positives_are_the_rewards_maximum_whatever_the_scale():
     """rl.py's positive flag: reward == the reward's max_score (1 for +-1 rewards; a custom
     reward scored out of 5 marks only its 5s), not 'reward >= 1'."""
-    from megatron_klear.train.rl import sample_fields
+    from megatron_klear.data.microbatches import sample_fields
     from megatron_klear.train.rl_data import RolloutBatch
 
     b = RolloutBatch(group_size=4, max_score=5.0, prompt_ids=[[1, 2]] * 4,

@@ -43,7 +43,9 @@ def _hand_step(rank, world, hf_dir):
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine
-    from megatron_klear.train.rl import RLConfig, pad_microbatches, policy_loss_fn
+    from megatron_klear.train.rl import RLConfig
+    from megatron_klear.data.microbatches import pad_microbatches
+    from megatron_klear.algo.rl_loss import policy_loss_fn
 
     batch = _fixed_batch()
     # advantages by hand: group (1, 0.5): mean .75, unbiased std .3536 -> +-0.7071
@@ -161,8 +163,9 @@ def _budget_vs_padded(rank, world, hf_dir):
     from megatron_klear.models import varlen_attention
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine, initialize_parallel
-    from megatron_klear.train.rl import RLConfig, old_logprobs, policy_loss_fn, \
-        rollout_microbatches
+    from megatron_klear.train.rl import RLConfig
+    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.data.microbatches import rollout_microbatches
 
     batch = _long_tail_batch()
     rows = list(range(len(batch)))

@@ -110,7 +110,8 @@ def _sync_and_probe(rank: int, world: int, url: str, model_dir: str, tp: int, pp
     ``dist_opt``: the recipes' layout, every adjacent run sent from parameter memory."""
     from megatron.core import parallel_state as ps
 
-    from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
+    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.rollout.probe import trainer_sequence_logprobs
 
     model, arch = _build(model_dir, tp, pp, seed=1000 + 10 * tp + pp, dist_opt=dist_opt)
     sync = WeightSync([url], [model], arch, bucket_bytes=32 * 1024, load_format=load_format,
@@ -255,8 +256,8 @@ def _faults(rank: int, world: int, model_dir: str, urls: list[str], log_dir: str
     import os
     import signal
 
-    from megatron_klear.rollout.weight_sync import (WeightSync, WeightSyncError,
-                                                    trainer_sequence_logprobs)
+    from megatron_klear.rollout.weight_sync import WeightSync, WeightSyncError
+    from megatron_klear.rollout.probe import trainer_sequence_logprobs
 
     model, arch = _build(model_dir, 1, 1, seed=7)
 

@@ -43,7 +43,8 @@ stages' source ranks may sit on different nodes, so each hosts its store at an a
 own node (:func:`stage_master_addr`: ``--weight-sync-master-addr`` where this node owns it).
 
 Correctness probe: :meth:`WeightSync.probe` asks every server for the logprobs of a fixed
-sequence and returns the max |server - trainer| (log it as ``weight_sync/probe_max_abs_diff``).
+sequence and returns the max |server - trainer|; :mod:`megatron_klear.rollout.probe` runs it
+after every sync, in either placement (``weight_sync/probe_max_abs_diff``).
 """
 
 from __future__ import annotations
@@ -70,12 +71,10 @@ from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, is_loc
 __all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "aligned_order", "plan_bucket",
            "adjacent_runs", "MIN_DIRECT_BYTES",
            "Bucket", "TensorSpec", "rank_layout", "lowest_cpu_priority",
-           "trainer_sequence_logprobs", "PROBE_METRIC", "update_backend", "stage_master_addr",
-           "probe_ids", "probe_asker", "probe_metrics"]
+           "update_backend", "stage_master_addr"]
 
 log = logging.getLogger("megatron_klear.rollout.weight_sync")
 
-PROBE_METRIC = "weight_sync/probe_max_abs_diff"
 # the first bucket is this fraction of bucket_bytes: the wire waits only for its short pack,
 # later buckets are packed while the previous one is on the wire
 FIRST_BUCKET_FRACTION = 8
@@ -174,53 +173,6 @@ def adjacent_runs(views: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[
             runs.append([i])
         storage, end = base, ptr + v.numel() * v.element_size()
     return runs
-
-
-def trainer_sequence_logprobs(model: torch.nn.Module | list[torch.nn.Module], arch,
-                              input_ids: list[int]) -> torch.Tensor | None:
-    """The trainer's fp32 logprobs of tokens 1..L-1 of ``input_ids`` (last PP stage; else None).
-
-    Collective over the model-parallel group (runs megatron's forward-only schedule).
-    """
-    from megatron_klear.checkpoint.convert import megatron_logits
-
-    ids = torch.tensor([input_ids], dtype=torch.long, device=platform.device())
-    logits = megatron_logits(model, arch, ids)
-    if logits is None:
-        return None
-    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1)
-    return logp.gather(1, ids[0, 1:, None])[:, 0]
-
-
-def probe_ids(arch) -> list[int]:
-    """The probe's fixed token sequence: ids 1..32 (fewer in a smaller vocabulary)."""
-    return list(range(1, min(arch.vocab_size, 33)))
-
-
-def probe_asker() -> bool:
-    """Whether this rank asks the servers for the probe: the one that holds the trainer's
-    logprobs (last PP stage) in TP rank 0 of data-parallel replica 0."""
-    from megatron.core import parallel_state as ps
-
-    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_data_parallel_rank() == 0
-            and ps.get_tensor_model_parallel_rank() == 0)
-
-
-def probe_metrics(sync: "WeightSync", input_ids: list[int],
-                  trainer_logprobs: torch.Tensor | None,
-                  pending: concurrent.futures.Future | None) -> dict[str, float]:
-    """Collective: the probe's metrics on every rank. The asking rank (:func:`probe_asker`,
-    whose ``pending`` is its :meth:`WeightSync.request_probe`) compares the servers' logprobs
-    with ``trainer_logprobs`` and shares the max |difference| and the trainer's mean logprob
-    (which moves when the weights move)."""
-    answer = None
-    if pending is not None:
-        answer = (sync.probe(input_ids, trainer_logprobs, pending.result()),
-                  float(trainer_logprobs.mean()))
-    held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, answer)
-    diff, mean_lp = next(a for a in held if a is not None)
-    return {PROBE_METRIC: diff, "weight_sync/probe_logprob_mean": mean_lp}
 
 
 def update_backend(server_devices: list[str]) -> str:
@@ -666,7 +618,7 @@ class WeightSync:
         (asked now, or answered already: ``server_logprobs``, from :meth:`request_probe`).
 
         Not collective: call it where ``trainer_logprobs`` live (the last PP stage), e.g.
-        with :func:`trainer_sequence_logprobs`.
+        with :func:`~megatron_klear.rollout.probe.trainer_sequence_logprobs`.
         """
         ref = trainer_logprobs.detach().double().flatten().cpu()
         diffs = []

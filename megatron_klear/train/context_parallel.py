@@ -14,24 +14,14 @@ the data-and-context-parallel group is exact.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 __all__ = ["cp_chunk_ids", "slice_for_cp_rank", "unslice_from_cp_ranks", "slice_batch",
-           "sequence_multiple", "THD_CP_UNSUPPORTED"]
+           "THD_CP_UNSUPPORTED"]
 
 # why packed (THD) micro-batches and context parallelism do not mix yet: said by validate()
 THD_CP_UNSUPPORTED = ("packed (THD) micro-batches cannot be split over context-parallel ranks "
                       "yet (train/context_parallel.py slices padded [b, s] batches only)")
-
-
-def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
-    """What a padded micro-batch's length must divide by: 2 x CP (megatron's load-balanced CP
-    chunks) and, with sequence parallelism, TP (megatron scatters the sequence over the TP
-    ranks). Each CP rank holds length / CP tokens, which SP splits again over TP."""
-    multiple = 2 * cp if cp > 1 else 1
-    return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
 
 
 def cp_chunk_ids(cp: int, rank: int) -> tuple[int, int]:

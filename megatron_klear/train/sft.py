@@ -13,18 +13,15 @@ import sys
 from typing import Iterator, Sequence
 
 import torch
-from megatron.core import parallel_state
 
-from megatron_klear.data.packing import build_packed_batch, pack_bins
+from megatron_klear.data.microbatches import sft_microbatches
+from megatron_klear.data.packing import pack_bins
 from megatron_klear.data.prompts import parse_chat_template_kwargs, set_chat_template_kwargs
-from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.data.sft import SFTSample, load_sft_dataset
-from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
 from megatron_klear.ops.backend import loss_backend
-from megatron_klear.train.engine import build_engine, restore_or_init
-from megatron_klear.train.sft_config import SFTConfig
+from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
 from megatron_klear.train.memory import Workload
-from megatron_klear.train.metrics import MetricsLogger, wandb_settings
+from megatron_klear.train.sft_config import SFTConfig
 from megatron_klear.train.token_loss import token_nll
 
 
@@ -63,22 +60,6 @@ class BinSchedule:
                 e, pos = e + 1, 0
 
 
-def make_microbatches(samples: Sequence[SFTSample], bins: Sequence[list[int]], cfg: SFTConfig
-                      ) -> tuple[list[dict], float]:
-    """This DP rank's micro-batches of a global batch, and the global loss-token count."""
-    pairs = {i: (samples[i].input_ids, samples[i].loss_mask) for b in bins for i in b}
-    total = float(sum(sum(samples[i].loss_mask[1:]) for b in bins for i in b))
-    dp = parallel_state.get_data_parallel_world_size()
-    rank = parallel_state.get_data_parallel_rank()
-    per = len(bins) // dp
-    mine = bins[rank * per:(rank + 1) * per]
-    step = cfg.micro_batch_size
-    mbs = [build_packed_batch(pairs, [i for b in mine[j:j + step] for i in b],
-                              multiple=cfg.tensor_model_parallel_size)
-           for j in range(0, len(mine), step)]
-    return mbs, total
-
-
 def sft_loss_fn(vocab_size: int, normalizer: float, backend: str = "auto"):
     """Token-level NLL over response tokens, normalised by the global batch's token count
     (``backend``: the resolved ``--loss-backend``)."""
@@ -95,40 +76,36 @@ def train(cfg: SFTConfig) -> list[dict]:
     """Run SFT; returns the per-step metrics of this run (rank 0 writes them to disk too)."""
     from transformers import AutoTokenizer
 
-    arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
+    arch = model_arch(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
     set_chat_template_kwargs(tokenizer, parse_chat_template_kwargs(cfg.chat_template_kwargs))
     samples, stats = load_sft_dataset(
         cfg.data_path, tokenizer, max_length=cfg.seq_length + 1, prompt_key=cfg.prompt_key,
         response_key=cfg.response_key, messages_key=cfg.messages_key, overflow=cfg.overflow)
-    engine = build_engine(cfg, arch)
+    run = start_run(cfg, arch, "consumed_bins")
     backend = loss_backend(cfg.loss_backend)
-    info = restore_or_init(engine)
-    step, consumed = (info.iteration, info.extra["consumed_bins"]) if info else (0, 0)
+    consumed = run.position
     schedule = BinSchedule(samples, cfg.bin_size, cfg.seed, cfg.pack)
-    log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
-                        desc="sft", progress=cfg.progress_bar, log_interval=cfg.log_interval,
-                        wandb=wandb_settings(cfg))
-    if step == 0 and log.enabled:
+    log = open_log(cfg, "sft", run.step)
+    if run.step == 0 and log.enabled:
         print(f"[sft] {stats.loaded} samples ({stats.truncated} truncated, {stats.dropped} "
               f"dropped, longer than --seq-length {cfg.seq_length})", file=sys.stderr)
-    history = []
-    freeze_startup_heap()  # the dataset and model stay; full collections skip them
-    while step < cfg.train_iters:
+
+    def take_step(step: int) -> dict:
+        """One optimizer step on the next ``--global-batch-size`` bins."""
+        nonlocal consumed
         taken = list(schedule.take(consumed, cfg.global_batch_size))
-        mbs, total = make_microbatches(samples, [b for _, b in taken], cfg)
-        metrics = engine.train_step(mbs, sft_loss_fn(arch.vocab_size, total, backend))
-        step, consumed = step + 1, consumed + len(taken)
+        mbs, total = sft_microbatches(samples, [b for _, b in taken], cfg.micro_batch_size,
+                                      cfg.tensor_model_parallel_size)
+        metrics = run.engine.train_step(mbs, sft_loss_fn(arch.vocab_size, total, backend))
+        consumed += len(taken)
         metrics.update(epoch=taken[-1][0], consumed_bins=consumed,
                        samples=[i for _, b in taken for i in b])
-        log.log(step, metrics)
-        history.append(metrics)
-        if cfg.save and (step == cfg.train_iters or
-                         (cfg.save_interval and step % cfg.save_interval == 0)):
-            engine.save(step, {"consumed_bins": consumed})
-    log.close()
-    if cfg.export_hf:
-        engine.export_hf(cfg.export_hf, cfg.hf_checkpoint)
+        return metrics
+
+    history = run_steps(cfg, run.engine, log, run.step, take_step,
+                        lambda m: {"consumed_bins": m["consumed_bins"]})
+    finish(cfg, run.engine, log)
     return history
 
 

@@ -35,7 +35,8 @@ def main() -> None:
     from megatron_klear.models.tiny import tiny_qwen3_config
     from megatron_klear.ops.backend import loss_backend
     from megatron_klear.train.engine import build_engine
-    from megatron_klear.train.rl import RLConfig, old_logprobs, policy_loss_fn
+    from megatron_klear.train.rl import RLConfig
+    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
     from tests.test_placement import _padded_sp_step
 
@@ -92,7 +93,7 @@ def te_checkpoints(cfg, tmp: Path) -> None:
 
     from megatron_klear.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.rollout.weight_sync import trainer_sequence_logprobs
+    from megatron_klear.rollout.probe import trainer_sequence_logprobs
     from megatron_klear.train.engine import build_engine, restore_or_init
     from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
 

@@ -217,7 +217,8 @@ def test_server_killed_mid_step_costs_no_prompt(servers, sglang_model, prompts, 
 
 def _rejoin(rank: int, world: int, model_dir: str, survivor: str, victim: str, log_dir: str):
     """Sync with the victim dead, restart it on its port, sync again (world 1, one process)."""
-    from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
+    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.rollout.probe import trainer_sequence_logprobs
     from tests.test_weight_sync import PROBE_IDS, STALE_MIN, _build
 
     model, arch = _build(model_dir, 1, 1, seed=11)  # weights far from the checkpoint's
