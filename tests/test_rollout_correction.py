@@ -114,8 +114,9 @@ def _rl_batch():
 
 
 def test_trainer_layouts_give_each_sequence_its_weight():
-    """The trainer's sequence ids (rl.sequence_ids) in THD packs and padded micro-batches: the
-    per-sequence geometric / sequence weights come out the same, sequence by sequence."""
+    """The trainer's sequence ids (algo/rl_loss.sequence_ids) in THD packs and padded
+    micro-batches: the per-sequence geometric / sequence weights come out the same, sequence
+    by sequence."""
     from megatron_klear.train.rl import RLConfig
     from megatron_klear.data.microbatches import pack_microbatches, pad_microbatches
     from megatron_klear.algo.rl_loss import sequence_ids

@@ -13,6 +13,7 @@ subclass here and a branch in :func:`build_placement`.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 from typing import Any, ContextManager, Iterator
@@ -29,24 +30,24 @@ __all__ = ["Placement", "SeparatePlacement", "ColocatedPlacement", "build_placem
            "rollout_servers"]
 
 
-class Placement:
+class Placement(abc.ABC):
     """The hand-overs between the trainer and the rollout engines (collective calls)."""
 
     def __init__(self, engine: Engine, sync: Any) -> None:
         self.engine, self.sync = engine, sync
 
+    @abc.abstractmethod
     def start(self, version: str) -> None:
         """Join the weight-update group; the engines take the trainer's weights (``version``)."""
-        raise NotImplementedError
 
     def before_train(self) -> dict[str, float]:
         """Make the trainer ready to train (after the rollout); its metrics."""
         return {}
 
+    @abc.abstractmethod
     def sync_and_probe(self, version: str) -> dict[str, float]:
         """Send the trained weights as ``version`` (and, with ``--probe-weights``, check them);
         the engines generate next."""
-        raise NotImplementedError
 
     def trainer_resident(self) -> ContextManager[None]:
         """The trainer's state on the device for the block (a checkpoint save)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -104,7 +104,7 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
 
 def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any,
             step: int, reference: ReferencePolicy | None = None,
-            before_train: Any = None) -> dict:
+            before_train: Callable[[], dict] | None = None) -> dict:
     """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it;
     ``before_train()`` (the placement's: colocated, the hand-over of the GPUs) runs before
     training and returns metrics."""
