@@ -10,7 +10,7 @@ from megatron_klear.data.prompts import PromptSample
 from megatron_klear.rollout.client import SamplingParams
 from megatron_klear.rollout.pipeline import RolloutContext, RolloutPipeline, Sample, \
     build_pipeline, drop_flat_groups, drop_truncated, grpo_advantages
-from megatron_klear.train.rl_data import PromptStream, collect_batch
+from megatron_klear.train.rl_data import PromptStream, RolloutBatch, collect_batch
 from tests.test_overgeneration import ScriptedClient
 
 HERE = "tests.test_rollout_pipeline"
@@ -141,6 +141,11 @@ def test_broken_stages_and_specs_are_refused_by_name():
             build_pipeline([spec])
     with pytest.raises(ValueError, match="the advantages stage is given twice"):
         build_pipeline(["advantages=grpo", "advantages=grpo"])
+    masked = _samples([1, 0], n=2)
+    assert RolloutBatch.from_samples(masked, 2, 1.0, {}).rewards == [1, 0]
+    masked[1].response_ids, masked[1].loss_mask = [2, 3], [1, 0]   # a tool's tokens (issue 40)
+    with pytest.raises(ValueError, match="sample 1 masks part of its response"):
+        RolloutBatch.from_samples(masked, 2, 1.0, {})
 
 
 def test_rollout_stages_flag_is_checked_at_parse_time():

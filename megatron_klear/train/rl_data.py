@@ -47,7 +47,7 @@ class RolloutBatch:
         """The trainer's batch of the pipeline's samples (whole groups, in order). The trainer
         trains every token of a kept response: a per-token loss mask is refused."""
         for i, s in enumerate(samples):
-            if not all(m == 1 for m in s.loss_mask):
+            if s.loss_mask.count(1) != len(s.loss_mask):
                 raise ValueError(f"sample {i} masks part of its response from the loss; the "
                                  "trainer trains whole responses (drop them with kept=False)")
         return cls(group_size, prompt_ids=[s.prompt_ids for s in samples],
