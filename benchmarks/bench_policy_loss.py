@@ -47,7 +47,7 @@ def _init_megatron_tp1() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
     initialize_parallel(tp=1, pp=1)
 
 

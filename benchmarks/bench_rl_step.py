@@ -94,7 +94,8 @@ def packing_part(work: Path, repeats: int) -> dict:
 
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.models.tiny import save_tiny_hf_model
-    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig, train_on_batch
 
     torch.set_num_threads(2)

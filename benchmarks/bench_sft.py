@@ -69,7 +69,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29631")
     from megatron_klear.data.packing import padding_fraction
     from megatron_klear.models.tiny import build_tokenizer
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
 
     tok = build_tokenizer()
     samples = gsm8k_samples(Path(args.gsm8k), tok, limit=100000)

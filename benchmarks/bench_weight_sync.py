@@ -109,7 +109,7 @@ class RawBroadcast:
     number of broadcasts, back to back from one reused buffer) to a receiver process."""
 
     def __init__(self, sizes: list[int], count: int) -> None:
-        from megatron_klear.rollout.launcher import free_port
+        from megatron_klear.distributed import free_port
         from megatron_klear.rollout.update_group import open_update_group
 
         port = free_port()
@@ -189,9 +189,10 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[tuple[str, str], dict
     back to back (after :data:`WARMUP_SYNCS` warm-up syncs), so load from other jobs hits both
     sides of each ratio alike, and the sync's ``buckets`` (bytes; ``direct``: sent from the
     parameters' memory). The raw side broadcasts exactly the sync's bucket sizes (its plan)."""
-    from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
+    from megatron_klear.distributed import free_port
+    from megatron_klear.rollout.launcher import launch_embedded_servers
     from megatron_klear.rollout.weight_sync import WeightSync
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
 
     os.environ["MASTER_PORT"] = str(free_port())
     initialize_parallel(tp=1, pp=1)
@@ -224,10 +225,11 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[tuple[str, str], dict
 def run_handles(model_dir: Path, args: argparse.Namespace) -> list[tuple[float, float]]:
     """--handles: (broadcast GB/s, handles GB/s) pairs, back to back, after the warm-up
     syncs of each; the recipes' layout (distributed optimizer), the default bucket plan."""
-    from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
+    from megatron_klear.distributed import free_port
+    from megatron_klear.rollout.launcher import launch_embedded_servers
     from megatron_klear.rollout.tensor_sync import TensorWeightSync
     from megatron_klear.rollout.weight_sync import WeightSync
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
 
     os.environ["MASTER_PORT"] = str(free_port())
     initialize_parallel(tp=1, pp=1)

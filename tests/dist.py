@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from megatron_klear.rollout.launcher import free_port
+from megatron_klear.distributed import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:

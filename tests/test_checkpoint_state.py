@@ -29,7 +29,7 @@ def _setup(tp: int, pp: int, hf_dir: Path):
 
     from megatron_klear.checkpoint import convert, hf_bridge
     from megatron_klear.models import qwen3
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
 
     initialize_parallel(tp, pp, seed=7)
     arch = qwen3.qwen3_config_from_hf(qwen3.load_hf_config(hf_dir))

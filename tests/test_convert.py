@@ -160,7 +160,7 @@ def test_hf_megatron_hf_round_trip_is_bitwise(single, hf_dirs, tie):
 # ---------------------------------------------------------------- two ranks
 def _layout_logits(arch, ckpt, tp, pp, ids):
     from megatron_klear.checkpoint import convert, state
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
 
     initialize_parallel(tp, pp)  # TP1/PP1 on 2 ranks = 2 data-parallel replicas
     model = convert.build_model(arch)
@@ -359,27 +359,3 @@ def test_existing_out_dir_needs_overwrite(hf_dirs, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(ConversionError, match="--out-dir .* already exists; pass --overwrite"):
         convert_hf_to_megatron(hf_dirs[False], tmp_path / "out")
-
-
-def _imported_modules(path: Path) -> set[str]:
-    """Every module a source file imports, at any depth (function-local imports too)."""
-    import ast
-
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-    return found
-
-
-def test_engine_does_not_import_the_converter():
-    """train/engine.py takes the HF reader and export from checkpoint/hf_io.py, so it is not
-    in an import circle with the converter (which uses the engine's parallel setup)."""
-    engine = _imported_modules(REPO / "megatron_klear" / "train" / "engine.py")
-    assert "megatron_klear.checkpoint.convert" not in engine
-    assert "megatron_klear.checkpoint.hf_io" in engine
-    assert "megatron_klear.train.engine" in _imported_modules(
-        REPO / "megatron_klear" / "checkpoint" / "convert.py")  # the other half of the circle

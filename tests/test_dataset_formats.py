@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 
-from megatron_klear.data.livecodebench import BadTestCases, lcb_tests
+from megatron_klear.rewards.livecodebench import BadTestCases, lcb_tests
 from megatron_klear.data.prompts import DataError, load_prompt_dataset, render_prompt, \
     set_prompt_template
 from megatron_klear.models.tiny import build_tokenizer

@@ -89,10 +89,10 @@ def test_one_process_keeps_its_rendezvous_out_of_the_environment():
     import sys
 
     code = ("import os, subprocess, sys\n"
-            "from megatron_klear.train.engine import initialize_parallel\n"
+            "from megatron_klear.distributed import initialize_parallel\n"
             "initialize_parallel(1, 1)\n"
             "print('leaked' if 'MASTER_PORT' in os.environ else 'clean')\n"
-            "child = 'from megatron_klear.train.engine import initialize_parallel; "
+            "child = 'from megatron_klear.distributed import initialize_parallel; "
             "initialize_parallel(1, 1); print(\"child ok\")'\n"
             "print(subprocess.run([sys.executable, '-c', child], capture_output=True, "
             "text=True).stdout.strip())\n")

@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
+from megatron_klear.distributed import free_port
+from megatron_klear.rollout.launcher import launch_embedded_servers
 from megatron_klear.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

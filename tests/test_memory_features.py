@@ -131,7 +131,8 @@ def _engine(tp: int = 1, pp: int = 1, **flags):
     from megatron_klear.config import TrainConfig
     from megatron_klear.models.qwen3 import qwen3_config_from_hf
     from megatron_klear.models.tiny import tiny_qwen3_config
-    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import build_engine
 
     cfg = TrainConfig(**{**dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 lr=3e-3, global_batch_size=4, micro_batch_size=1,
@@ -207,7 +208,7 @@ def _sft_loss_paths() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 # ------------------------------------------------------------------ launch 1: TP2 (2 ranks)
 def _tp2_flags(rank, world, ckpt):
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
 
     initialize_parallel(2, 1)
     results = {"sft_loss": _sft_loss_paths()}

@@ -53,7 +53,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 # ---------------------------------------------------------------- two ranks
 def _model_at(arch, tp, pp, ep, etp, dispatcher, ckpt):
     from megatron_klear.checkpoint import state
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
 
     initialize_parallel(tp, pp, ep=ep, etp=etp)
     config = qwen3.transformer_config(
@@ -209,7 +209,7 @@ def test_bad_moe_configs_name_the_field_or_flag(hf_dirs):
 
 
 def test_moe_flags_reach_megatron_config(hf_dirs):
-    from megatron_klear.train.engine import moe_features
+    from megatron_klear.models.qwen3 import moe_features
 
     arch = _arch(hf_dirs["main"])
     cfg = parse_config(TrainConfig, ["--expert-model-parallel-size", "2",

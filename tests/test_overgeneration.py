@@ -130,7 +130,7 @@ def test_overlong_filter_drops_responses_without_eos():
 
 
 def test_prompt_left_truncation_and_error():
-    from megatron_klear.train.rl_data import limit_prompt
+    from megatron_klear.rollout.pipeline import limit_prompt
 
     sample = PromptSample(7, [], None)
     ids = list(range(10))

@@ -116,7 +116,8 @@ def _packed_vs_unpacked(rank, world, hf_dir):
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
     from megatron_klear.config import TrainConfig
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import build_engine
 
     arch = qwen3_config_from_hf(load_hf_config(hf_dir))
     g = torch.Generator().manual_seed(3)
@@ -197,7 +198,8 @@ from megatron_klear.data.packing import thd_pack
 from megatron_klear.config import TrainConfig
 from megatron_klear.models.qwen3 import qwen3_config_from_hf
 from megatron_klear.models.tiny import tiny_qwen3_config
-from megatron_klear.train.engine import build_engine, initialize_parallel
+from megatron_klear.distributed import initialize_parallel
+from megatron_klear.train.engine import build_engine
 
 total, seq = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(1)

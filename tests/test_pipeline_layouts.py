@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from megatron_klear.config import ConfigError, TrainConfig
+from megatron_klear.models.context_parallel_layout import slice_for_cp_rank, \
+    unslice_from_cp_ranks
 from megatron_klear.models.pipeline_layout import PipelineLayout
-from megatron_klear.train.context_parallel import (slice_batch, slice_for_cp_rank,
-                                                   unslice_from_cp_ranks)
+from megatron_klear.train.context_parallel import slice_batch
 from tests.dist import run_distributed
 from tests.test_engine import VOCAB, _make_batches
 
@@ -139,7 +140,8 @@ def _setup(layers: int, pp: int, tp: int = 1, *, first=None, last=None, vpp_laye
     """A fresh engine (parallel state re-initialised) for a tiny ``layers``-layer Qwen3."""
     from megatron_klear.models.qwen3 import qwen3_config_from_hf
     from megatron_klear.models.tiny import tiny_qwen3_config
-    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import build_engine
 
     arch = qwen3_config_from_hf(tiny_qwen3_config(vocab_size=VOCAB, num_hidden_layers=layers))
     cfg = TrainConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=lr,
@@ -323,7 +325,8 @@ def _cp_run(cp: int, steps: int = STEPS):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_klear.train.engine import Engine, build_optimizer, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import Engine, build_optimizer
 
     initialize_parallel(1, 1, 11, cp=cp)
     cfg = TrainConfig(lr=3e-3, global_batch_size=8, micro_batch_size=2, seed=11,

@@ -46,7 +46,8 @@ def _microbatches() -> list[dict]:
 def _engine(**changes):
     from megatron_klear.models.qwen3 import qwen3_config_from_hf
     from megatron_klear.models.tiny import tiny_qwen3_config
-    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
 
     cfg = RLConfig(**{**FLAGS, **changes})
@@ -66,6 +67,7 @@ def _caught(step) -> str | None:
 
 def _gpu_path(rank, world, tmp):
     from megatron_klear import platform
+    from megatron_klear.models import qwen3
     from megatron_klear.train import engine as engine_mod
     from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
@@ -94,12 +96,12 @@ def _gpu_path(rank, world, tmp):
     # planted misplacement 2: the model built on the CPU (the old use_cpu_initialization=True)
     # next to megatron's CUDA grad buffers; without the distributed optimizer, whose CUDA param
     # buffer would take the parameters over (on a GPU too)
-    features = engine_mod.model_features
-    engine_mod.model_features = lambda cfg: {**features(cfg), "use_cpu_initialization": True}
+    features = qwen3.model_features
+    qwen3.model_features = lambda cfg: {**features(cfg), "use_cpu_initialization": True}
     try:
         cpu_model = _engine(use_distributed_optimizer=False, overlap_param_gather=False)
     finally:
-        engine_mod.model_features = features
+        qwen3.model_features = features
     result["model_on_cpu"] = _caught(
         lambda: cpu_model.train_step(_microbatches(), sft_loss_fn(VOCAB, total, "torch")))
     result["moe_ep2"] = _moe_ep2_path(tmp)
@@ -132,7 +134,8 @@ def _moe_ep2_path(tmp: str) -> dict:
     old-log-prob pass, RL step and HF export, all on the virtual CUDA device."""
     from megatron_klear.models.qwen3 import qwen3_config_from_hf
     from megatron_klear.models.tiny import tiny_qwen3_moe_config
-    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
     from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_klear.rewards.remote import RemoteReward, RewardServiceError
 from megatron_klear.rewards.shaping import OverlongShaping
-from megatron_klear.rollout.launcher import free_port
+from megatron_klear.distributed import free_port
 from megatron_klear.train.metrics import read_metrics
 from tests.reward_plugins import parity_reward
 

@@ -162,7 +162,8 @@ def _budget_vs_padded(rank, world, hf_dir):
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
     from megatron_klear.models import varlen_attention
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.train.engine import build_engine, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
     from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
     from megatron_klear.data.microbatches import rollout_microbatches

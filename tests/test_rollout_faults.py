@@ -19,8 +19,9 @@ import urllib.request
 import psutil
 import pytest
 
+from megatron_klear.distributed import free_port
 from megatron_klear.rollout.client import RolloutClient, RolloutError, SamplingParams
-from megatron_klear.rollout.launcher import (LaunchError, free_port, launch_embedded_servers,
+from megatron_klear.rollout.launcher import (LaunchError, launch_embedded_servers,
                                              launch_sglang_servers, sglang_server_command)
 from megatron_klear.train.metrics import read_metrics
 from tests.rollout_helpers import cmdline, make_tiny_model

@@ -72,7 +72,7 @@ def _round_trip(hf_dir: str, tmp: str) -> dict:
     from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint,
                                                  save_checkpoint)
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.train.engine import initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
 
     convert_hf_to_megatron(hf_dir, f"{tmp}/converted")
     hf_config = load_hf_config(hf_dir)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
-from megatron_klear.rollout.launcher import free_port, launch_embedded_servers
+from megatron_klear.distributed import free_port
+from megatron_klear.rollout.launcher import launch_embedded_servers
 from megatron_klear.rollout.update_group import open_update_group
 from megatron_klear.rollout.weight_sync import (aligned_order, iter_buckets, plan_bucket,
                                                 rank_layout)
@@ -42,7 +43,8 @@ def _build(model_dir: str, tp: int, pp: int, seed: int, dist_opt: bool = False):
     the distributed optimizer: every parameter a view of one param_data buffer)."""
     from megatron_klear.config import TrainConfig
     from megatron_klear.models import qwen3
-    from megatron_klear.train.engine import build_model, initialize_parallel
+    from megatron_klear.distributed import initialize_parallel
+    from megatron_klear.train.engine import build_model
 
     initialize_parallel(tp=tp, pp=pp, seed=seed)
     arch = qwen3.qwen3_config_from_hf(qwen3.load_hf_config(model_dir))

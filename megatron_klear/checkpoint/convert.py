@@ -46,9 +46,11 @@ from megatron_klear.checkpoint.hf_io import (ConversionError, SafetensorsReader,
 from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint, read_meta,
                                              save_checkpoint)
 from megatron_klear.config import TrainConfig, parallel_layout
+from megatron_klear.distributed import initialize_parallel
 from megatron_klear.models import qwen3
+from megatron_klear.models.context_parallel_layout import slice_for_cp_rank, \
+    unslice_from_cp_ranks
 from megatron_klear.models.pipeline_layout import PipelineLayout
-from megatron_klear.train.context_parallel import slice_for_cp_rank, unslice_from_cp_ranks
 
 __all__ = ["ConversionError", "DTYPES", "DTYPE_CHOICES", "convert_hf_to_megatron",
            "convert_megatron_to_hf", "compare_logits", "megatron_logits", "hf_logits",
@@ -68,8 +70,6 @@ def init_parallel(tp: int, pp: int, seed: int = 1234, *, vpp: int | None = None,
     """torch.distributed (on a free port when not under torchrun) + megatron parallel state
     with exactly the processes of one model replica: ``tp * pp``, or with expert
     parallelism (carved out of data parallelism) ``pp * lcm(tp, ep * etp)``."""
-    from megatron_klear.train.engine import initialize_parallel
-
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     need = pp * math.lcm(tp, ep * (etp or tp))
     if world != need:
@@ -82,8 +82,6 @@ def init_parallel(tp: int, pp: int, seed: int = 1234, *, vpp: int | None = None,
 def _init_conversion() -> None:
     """Conversions work at the TP1/PP1 layout with any number of processes (they split
     the files, not the model)."""
-    from megatron_klear.train.engine import initialize_parallel
-
     initialize_parallel(1, 1)
 
 
@@ -362,8 +360,6 @@ def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1,
     VPP, EP), and loads the Megatron checkpoint into it in fp32, whatever layout it was
     saved at.
     """
-    from megatron_klear.train.engine import build_model as build_chunks
-
     layout = _layout(layout, tp, pp)
     hf_config = qwen3.load_hf_config(hf_dir)
     arch = qwen3.qwen3_config_from_hf(hf_config)
@@ -373,7 +369,7 @@ def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1,
     init_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                   vpp=pipeline.virtual_size, ep=layout.expert_model_parallel_size,
                   etp=layout.expert_tensor_parallel_size)
-    chunks = [chunk.eval() for chunk in build_chunks(arch, layout, wrap_ddp=False)]
+    chunks = [chunk.eval() for chunk in qwen3.build_model_chunks(arch, layout)]
     load_checkpoint(megatron_dir, chunks, load_rng=False)
     ids = torch.randint(0, arch.vocab_size, (batch_size, seq_length),
                         generator=torch.Generator().manual_seed(seed))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from megatron_klear.config import ConfigError
-from megatron_klear.data.livecodebench import BadTestCases, lcb_tests
+from megatron_klear.rewards.livecodebench import BadTestCases, lcb_tests
 from megatron_klear.rewards.text import last_boxed
 
 ANSWER_FORMATS = ("gsm8k", "boxed")
@@ -132,7 +132,7 @@ def extract_answer(value: Any, answer_format: str | None, where: str) -> Any:
 def code_tests(rec: dict) -> dict | None:
     """The tests dict of a code record, or None when the record has no test fields.
     Accepts APPS-style ``input_output`` JSON strings and LiveCodeBench rows
-    (:mod:`megatron_klear.data.livecodebench`) too."""
+    (:mod:`megatron_klear.rewards.livecodebench`) too."""
     lcb = lcb_tests(rec)
     if lcb is not None:
         return lcb

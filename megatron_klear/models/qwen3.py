@@ -29,7 +29,8 @@ from megatron.core.transformer.transformer_block import (LayerNormImpl,
                                                          TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
 
-from megatron_klear.config import ConfigError
+from megatron_klear import platform
+from megatron_klear.config import ConfigError, TrainConfig
 from megatron_klear.models.norms import norm_specs
 from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.varlen_attention import PackRotaryEmbedding, VarlenCoreAttention
@@ -384,3 +385,41 @@ def build_gpt_model(arch: Qwen3Arch, config: TransformerConfig, *, pre_process: 
         for module in cores:
             module.position_emb = model.rotary_pos_emb.get_emb
     return model
+
+
+# ------------------------------------------------------ the model of a trainer config
+def model_features(cfg: TrainConfig) -> dict[str, Any]:
+    """TransformerConfig fields of the sequence-parallel and recompute flags (and the
+    platform's pipeline send mode)."""
+    features: dict[str, Any] = {"sequence_parallel": cfg.sequence_parallel,
+                                "batch_p2p_comm": platform.batch_p2p_comm()}
+    if cfg.recompute_granularity:
+        features.update(recompute_granularity=cfg.recompute_granularity,
+                        recompute_method=cfg.recompute_method,
+                        recompute_num_layers=cfg.recompute_num_layers)
+    if cfg.recompute_granularity == "selective":
+        features["recompute_modules"] = list(cfg.recompute_modules or ["core_attn"])
+    return features
+
+
+def moe_features(arch: Qwen3Arch, cfg: TrainConfig) -> dict[str, Any]:
+    """TransformerConfig fields of the MoE flags ({} for a dense model)."""
+    return moe_config_kwargs(arch, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp,
+                             dispatcher=cfg.moe_token_dispatcher_type,
+                             aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                             routing_replay=cfg.use_routing_replay)
+
+
+def build_model_chunks(arch: Qwen3Arch, cfg: TrainConfig) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage) at ``cfg``'s parallel layout
+    and memory / MoE features, built on the device as the trainers build them (the engine
+    wraps them in DDP; compare_logits evaluates them)."""
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    layout = PipelineLayout.from_config(arch.num_layers, cfg)
+    tconf = transformer_config(arch, tp=cfg.tensor_model_parallel_size,
+                               pp=cfg.pipeline_model_parallel_size, params_dtype=dtype,
+                               layout=layout, context_parallel_size=cfg.context_parallel_size,
+                               **model_features(cfg), **moe_features(arch, cfg))
+    return [build_gpt_model(arch, tconf, transformer_impl=cfg.transformer_impl,
+                            vp_stage=i if layout.virtual_size else None)
+            for i in range(layout.num_model_chunks)]

@@ -11,11 +11,12 @@ responses. Modules are imported lazily so that importing this package stays chea
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
+
+from megatron_klear.import_path import load_callable
 
 RewardFn = Callable[[str, Any], float]
 log = logging.getLogger(__name__)
@@ -36,26 +37,13 @@ def register_reward(name: str, fn: RewardFn) -> None:
         _registry[name] = fn
 
 
-def _import_path(path: str) -> RewardFn:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward import path {path!r} must look like 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load reward {path!r}: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"reward {path!r} is not callable")
-    return fn
-
-
 def get_reward(name: str) -> RewardFn:
     """The reward registered as ``name``, a built-in ('math', 'code') or 'pkg.module:function'."""
     with _lock:
         if name in _registry:
             return _registry[name]
     if name in _BUILTIN or ":" in name:
-        fn = _import_path(_BUILTIN.get(name, name))
+        fn = load_callable(_BUILTIN.get(name, name), "reward")
         register_reward(name, fn)
         return fn
     raise ValueError(f"unknown reward {name!r}: use one of {sorted(set(_BUILTIN) | set(_registry))} "

@@ -9,7 +9,7 @@ The program is the last fenced python block after ``</think>``. Supported test f
   here as a Python literal with the expected value.
 - LiveCodeBench rows as published (``public_test_cases``/``private_test_cases`` JSON or
   base64-zlib-pickle strings, ``metadata.func_name``): read into one of the two above by
-  :func:`megatron_klear.data.livecodebench.lcb_tests` (pickles: plain strings only).
+  :func:`megatron_klear.rewards.livecodebench.lcb_tests` (pickles: plain strings only).
 - HumanEval: ``{"test": "...def check(candidate)...", "entry_point": ..., "context": prompt}``;
   every top-level statement of ``check`` that asserts about ``candidate`` is one case. Each
   case runs in the sandbox with a recording ``candidate``; then the trusted test code is
@@ -28,7 +28,7 @@ import logging
 import os
 from typing import Any, Callable
 
-from megatron_klear.data.livecodebench import lcb_tests
+from megatron_klear.rewards.livecodebench import lcb_tests
 from megatron_klear.rewards.sandbox import SandboxJob, SandboxLimits, SandboxPool, SandboxResult, shared_pool
 from megatron_klear.rewards.text import last_python_block
 

@@ -16,7 +16,8 @@ code_r1_compute.py and reward_config.py at 3422f6d), checked in this order:
 
 Both have the maximum score 1 (``max_score``): only fully correct responses are the SFT term's
 positives. math-verify runs in the verifier worker processes of :mod:`.math` (SIGALRM timeouts
-need a main thread).
+need a main thread), whose ``klear`` mode (:func:`~megatron_klear.rewards.math.verify_klear`)
+is the check of math_dapo.py.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import json
 import random
 from typing import Any
 
+from megatron_klear.rewards.math import gold_text, shared_verifier
 from megatron_klear.rewards.text import THINK_END
 
 CORRECT, INCORRECT = 1.0, -1.0
 NO_THINK_END, NO_THINK_START = -0.5, -2.0   # reward_config.py wo_eos_think / wo_bos_think
 NO_CODE = -1.0                               # format_error_score
 MAX_CODE_TESTS = 16
-VERIFY_TIMEOUT_S = 5
 WALL_TIMEOUT_S = 15.0   # parse (5 s) + verify (5 s) + worker start-up
 
 
@@ -45,32 +46,8 @@ def format_penalty(response: Any) -> float | None:
     return None
 
 
-def verify_answer(final: str, answers: list[str]) -> float:
-    """+1 / -1 for the text after ``</think>`` (must run in a main thread: SIGALRM)."""
-    from math_verify import parse, verify
-
-    try:
-        pred = parse(final, parsing_timeout=VERIFY_TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - unparsable: incorrect
-        return INCORRECT
-    if len(pred) < 2:
-        return INCORRECT
-    if pred[1] in answers:
-        return CORRECT
-    for gold in answers:
-        try:
-            if verify(parse(f"\\boxed{{{gold}}}", parsing_timeout=VERIFY_TIMEOUT_S), pred,
-                      timeout_seconds=VERIFY_TIMEOUT_S):
-                return CORRECT
-        except Exception:  # noqa: BLE001 - try the next reference
-            continue
-    return INCORRECT
-
-
 def math_klear(response: str, answer: Any, *, timeout_s: float = WALL_TIMEOUT_S) -> float:
     """Klear's math reward: +1 / -1, -0.5 without ``</think>``, -2 without ``<think>``."""
-    from megatron_klear.rewards.math import gold_text, shared_verifier
-
     penalty = format_penalty(response)
     if penalty is not None:
         return penalty
@@ -79,7 +56,8 @@ def math_klear(response: str, answer: Any, *, timeout_s: float = WALL_TIMEOUT_S)
     except TypeError:
         return INCORRECT
     final = response.rsplit(THINK_END, 1)[1]
-    return shared_verifier().score(final, gold, timeout_s, mode="klear", failed=INCORRECT)
+    verdict = shared_verifier().score(final, gold, timeout_s, mode="klear", failed=0.0)
+    return CORRECT if verdict == 1.0 else INCORRECT
 
 
 math_klear.max_score = CORRECT

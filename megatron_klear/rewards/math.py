@@ -29,6 +29,7 @@ from megatron_klear.rewards.text import final_section, last_boxed
 
 DEFAULT_TIMEOUT_S = 10.0  # hard wall limit per call (parse gold + parse answer + verify)
 INNER_TIMEOUT_S = 3  # math-verify's own per-step timeout, inside the worker
+KLEAR_TIMEOUT_S = 5  # the same in Klear's check (math_dapo.py)
 MAX_TAIL_CHARS = 4000  # without a box, only the end of the response can hold the answer
 WORKER_MEMORY_MB = 4096
 _SCI = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
@@ -105,16 +106,38 @@ def verify_in_process(response: str, answer: Any) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=INNER_TIMEOUT_S) else 0.0
 
 
-def _verifiers() -> dict:
-    """The worker's verification modes: name -> (function(text, answer), score on failure)."""
-    from megatron_klear.rewards.klear import INCORRECT, verify_answer
+def verify_klear(final: str, answers: list[str]) -> float:
+    """Klear-Reasoner's math check (verl's math_dapo.py, rewards/klear.py's ``math_klear``):
+    1.0 when the answer math-verify extracts from ``final`` (the text after ``</think>``) equals
+    a reference string or is equivalent to ``\\boxed{reference}``, else 0.0; math-verify's own
+    timeouts are 5 s. Must run in a main thread (SIGALRM)."""
+    from math_verify import parse, verify
 
-    return {"binary": (verify_in_process, 0.0), "klear": (verify_answer, INCORRECT)}
+    try:
+        pred = parse(final, parsing_timeout=KLEAR_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - unparsable: incorrect
+        return 0.0
+    if len(pred) < 2:
+        return 0.0
+    if pred[1] in answers:
+        return 1.0
+    for gold in answers:
+        try:
+            if verify(parse(f"\\boxed{{{gold}}}", parsing_timeout=KLEAR_TIMEOUT_S), pred,
+                      timeout_seconds=KLEAR_TIMEOUT_S):
+                return 1.0
+        except Exception:  # noqa: BLE001 - try the next reference
+            continue
+    return 0.0
+
+
+# the worker's verification modes: name -> function(text, answer) -> 1.0 | 0.0
+VERIFIERS = {"binary": verify_in_process, "klear": verify_klear}
 
 
 def _serve() -> None:
     """Worker loop: one JSON [response, answer, mode] per stdin line -> one score per stdout
-    line (modes: :func:`_verifiers`)."""
+    line (modes: :data:`VERIFIERS`; any failure scores 0.0)."""
     import logging
 
     from megatron_klear.orphans import exit_when_orphaned
@@ -125,18 +148,15 @@ def _serve() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
-    verifiers = _verifiers()
     import math_verify  # noqa: F401 - imported before the freeze: sympy's heap stays out of it
 
     freeze_startup_heap()
     for line in sys.stdin:
-        fn, failed = verifiers["binary"]
         try:
             response, answer, mode = json.loads(line)
-            fn, failed = verifiers[mode]
-            score = fn(response, answer)
-        except Exception:  # noqa: BLE001 - garbage in, the mode's failure score out
-            score = failed
+            score = VERIFIERS[mode](response, answer)
+        except Exception:  # noqa: BLE001 - garbage in, 0.0 out
+            score = 0.0
         out.write(f"{score}\n")
         out.flush()
 
@@ -183,8 +203,8 @@ class MathVerifierPool:
 
     def score(self, response: str, answer: Any, timeout_s: float = DEFAULT_TIMEOUT_S, *,
               mode: str = "binary", failed: float = 0.0) -> float:
-        """math_reward (``mode="binary"``; ``"klear"``: rewards/klear.py's ``verify_answer`` on
-        a list of reference strings) through a worker with a hard deadline; ``failed`` on any
+        """math_reward (``mode="binary"``; ``"klear"``: :func:`verify_klear` on a list of
+        reference strings) through a worker with a hard deadline; ``failed`` on any
         failure."""
         if mode == "binary":
             try:

@@ -11,7 +11,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,10 +19,11 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
+from megatron_klear.distributed import free_port
 from megatron_klear.orphans import die_with_parent
 
 __all__ = ["RolloutServers", "LaunchError", "launch_embedded_servers", "launch_sglang_servers",
-           "sglang_server_command", "router_command", "connect", "free_port", "wait_healthy",
+           "sglang_server_command", "router_command", "connect", "wait_healthy",
            "embedded_server_layout",
            "SGLANG_CPU_ARGS", "sglang_cpu_env", "server_env"]
 
@@ -67,13 +67,6 @@ def server_env(**overrides: str) -> dict[str, str]:
 
 class LaunchError(RuntimeError):
     """A server did not start; the message names its URL, command and log file."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RolloutServers:

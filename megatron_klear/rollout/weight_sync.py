@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from megatron_klear import platform
 from megatron_klear.rollout.client import RolloutClient, RolloutError
-from megatron_klear.rollout.launcher import free_port
+from megatron_klear.distributed import free_port
 from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, is_local_address,
                                                  open_update_group, routable_address)
 

@@ -7,72 +7,22 @@ model and call :meth:`Engine.train_step` with micro-batches and a loss function.
 from __future__ import annotations
 
 import os
-import random
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_klear import platform
 from megatron_klear.config import TrainConfig
+from megatron_klear.distributed import initialize_parallel
 from megatron_klear.models.pipeline_layout import PipelineLayout
-from megatron_klear.models.qwen3 import (Qwen3Arch, build_gpt_model, moe_config_kwargs,
-                                         transformer_config)
+from megatron_klear.models.qwen3 import Qwen3Arch, build_model_chunks
 from megatron_klear.models.routing_replay import replay_routing
-from megatron_klear.rollout.launcher import free_port
 from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
 from megatron_klear.train.context_parallel import slice_batch
-
-
-def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int | None = None,
-                        cp: int = 1, ep: int = 1, etp: int | None = None) -> platform.Platform:
-    """Initialise torch.distributed from the torchrun environment and megatron's parallel state.
-
-    ``ep`` / ``etp``: expert-parallel and expert-tensor-parallel sizes (MoE; megatron carves
-    the EP group out of the data-parallel ranks).
-
-    Works under torchrun (env://) and when the default group already exists (tests).
-    Seeds python, numpy, torch and megatron's model-parallel RNG tracker.
-    """
-    from megatron.core import tensor_parallel
-
-    plat = platform.setup()
-    if not dist.is_initialized():
-        if "MASTER_PORT" in os.environ:  # torchrun (or a caller that set the rendezvous)
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-            dist.init_process_group(plat.backend)
-        else:  # one process, not under torchrun: a private free port, kept out of os.environ
-            # so that the subprocesses this process starts never inherit a port it holds
-            dist.init_process_group(plat.backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                    rank=0, world_size=1)
-    world = dist.get_world_size()
-    if world % (tp * pp * cp):
-        raise ValueError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
-                         f" x --context-parallel-size {cp} does not divide the world size {world}")
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp,
-                                             context_parallel_size=cp,
-                                             expert_model_parallel_size=ep,
-                                             expert_tensor_parallel_size=etp)
-    seed_everything(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return plat
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (megatron's tracker is seeded separately)."""
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
 
 
 MicroBatch = dict  # "tokens", "position_ids", optional THD "cu_seqlens"/"max_seqlen", loss inputs
@@ -278,49 +228,19 @@ def data_parallel_all_reduce(value: float | torch.Tensor) -> torch.Tensor:
     return t
 
 
-def model_features(cfg: TrainConfig) -> dict[str, Any]:
-    """TransformerConfig fields of the sequence-parallel and recompute flags (and the
-    platform's pipeline send mode)."""
-    features: dict[str, Any] = {"sequence_parallel": cfg.sequence_parallel,
-                                "batch_p2p_comm": platform.batch_p2p_comm()}
-    if cfg.recompute_granularity:
-        features.update(recompute_granularity=cfg.recompute_granularity,
-                        recompute_method=cfg.recompute_method,
-                        recompute_num_layers=cfg.recompute_num_layers)
-    if cfg.recompute_granularity == "selective":
-        features["recompute_modules"] = list(cfg.recompute_modules or ["core_attn"])
-    return features
-
-
-def moe_features(arch: Qwen3Arch, cfg: TrainConfig) -> dict[str, Any]:
-    """TransformerConfig fields of the MoE flags ({} for a dense model)."""
-    return moe_config_kwargs(arch, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp,
-                             dispatcher=cfg.moe_token_dispatcher_type,
-                             aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                             routing_replay=cfg.use_routing_replay)
-
-
 def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> list[torch.nn.Module]:
-    """The model chunks of this rank (one per virtual pipeline stage), built on the device,
-    optionally wrapped in megatron DDP."""
+    """The model chunks of this rank (one per virtual pipeline stage, models/qwen3.py
+    :func:`build_model_chunks`), built on the device, optionally wrapped in megatron DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    layout = PipelineLayout.from_config(arch.num_layers, cfg)
-    tconf = transformer_config(arch, tp=cfg.tensor_model_parallel_size,
-                               pp=cfg.pipeline_model_parallel_size, params_dtype=dtype,
-                               layout=layout, context_parallel_size=cfg.context_parallel_size,
-                               **model_features(cfg), **moe_features(arch, cfg))
-    chunks = [build_gpt_model(arch, tconf, transformer_impl=cfg.transformer_impl,
-                              vp_stage=i if layout.virtual_size else None)
-              for i in range(layout.num_model_chunks)]
+    chunks = build_model_chunks(arch, cfg)
     if not wrap_ddp:
         return chunks
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
         overlap_param_gather=cfg.overlap_param_gather,
         use_distributed_optimizer=cfg.use_distributed_optimizer)
-    return [DistributedDataParallel(config=tconf, ddp_config=ddp_cfg, module=c,
+    return [DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c,
                                     disable_bucketing=i > 0)  # as megatron-LM does for chunks
             for i, c in enumerate(chunks)]
 

@@ -170,6 +170,11 @@ class RLConfig(TrainConfig):
                                     choices=("reward", "acc"))
     overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
                                 "group filter (no loss tokens, not in the group advantages)")
+    rollout_stages: list[str] | None = opt(None, "rollout pipeline stages, KIND=NAME or "
+                                           "KIND=pkg.mod:fn: generate=, score=, advantages= "
+                                           "replace the built-in stage, each filter= adds one "
+                                           "before the zero-advantage group filter "
+                                           "(docs/rollout.md)")
     truncate_prompt: str = opt("off", "rendered prompts longer than --rollout-max-prompt-len: "
                                "left keeps their last tokens (verl's truncation=left, Klear), "
                                "error stops the run naming the prompt, off lets them through",
@@ -239,6 +244,7 @@ class RLConfig(TrainConfig):
                               f" high {self.erc_high}") from None
         self.correction()
         self.validate_generation()
+        self.validate_rollout_stages()
         self.overlong_shaping()
         if self.kl_coef < 0:
             raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
@@ -319,6 +325,15 @@ class RLConfig(TrainConfig):
         if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
             raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
                               f"{self.max_gen_rounds}")
+
+    def validate_rollout_stages(self) -> None:
+        """``--rollout-stages``: each entry well formed, its stage registered or importable."""
+        from megatron_klear.rollout.pipeline import build_pipeline
+
+        try:
+            build_pipeline(self.rollout_stages)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def correction(self) -> RolloutCorrection | None:
         """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""

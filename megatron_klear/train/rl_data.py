@@ -1,28 +1,26 @@
 """One RL step's data: prompts -> n responses each -> rewards -> group advantages.
 
-Zero-advantage groups (all n responses scored the same) carry no policy gradient; they
-are dropped and the batch is refilled by sampling more prompts (DAPO-style dynamic
-sampling). Only global rank 0 talks to the rollout servers; the finished batch is
-broadcast so that every rank builds identical micro-batches.
+The rollout itself is a pipeline of stages over per-sample records (rollout/pipeline.py);
+this module draws the prompts (:class:`PromptStream`, resumable), runs the rounds that refill
+past zero-advantage groups (DAPO-style dynamic sampling) and hands the trainer its
+:class:`RolloutBatch`, built from the samples. Only global rank 0 talks to the rollout
+servers; the finished batch is broadcast so that every rank builds identical micro-batches.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
 import torch.distributed as dist
 
-from megatron_klear.algo.advantages import flat_groups, group_advantages, \
-    kept_group_advantages
-from megatron_klear.data.prompts import PromptSample, render_prompt
-from megatron_klear.rewards import reward_max_score, score_batch
+from megatron_klear.data.prompts import PromptSample
+from megatron_klear.rewards import reward_max_score
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.pipeline import RolloutContext, Sample, build_pipeline
 
 
 @dataclass
@@ -42,6 +40,25 @@ class RolloutBatch:
     stats: dict[str, float] = field(default_factory=dict)
     max_score: float = 1.0      # the reward's maximum: samples scoring it are the positives
     kept: list[bool] = field(default_factory=list)  # False: dropped by --overlong-filter
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample], group_size: int, max_score: float,
+                     stats: dict[str, float]) -> "RolloutBatch":
+        """The trainer's batch of the pipeline's samples (whole groups, in order). The trainer
+        trains every token of a kept response: a per-token loss mask is refused."""
+        for i, s in enumerate(samples):
+            if s.loss_mask.count(1) != len(s.loss_mask):
+                raise ValueError(f"sample {i} masks part of its response from the loss; the "
+                                 "trainer trains whole responses (drop them with kept=False)")
+        return cls(group_size, prompt_ids=[s.prompt_ids for s in samples],
+                   response_ids=[s.response_ids for s in samples],
+                   rollout_logprobs=[s.rollout_logprobs for s in samples],
+                   rewards=[s.reward for s in samples],
+                   truncated=[s.truncated for s in samples],
+                   prompt_index=[s.prompt_index for s in samples],
+                   advantages=[s.advantage for s in samples],
+                   routed_experts=[s.routed_experts for s in samples], stats=stats,
+                   max_score=max_score, kept=[s.kept for s in samples])
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -68,11 +85,6 @@ class RolloutBatch:
                     getattr(out, name).append(getattr(self, name)[i])
         return out
 
-    def extend(self, other: "RolloutBatch") -> None:
-        """Append another batch's samples."""
-        for name in other._fields():
-            getattr(self, name).extend(getattr(other, name))
-
 
 class PromptStream:
     """Seeded epochs over a prompt dataset; the position (prompts consumed) is resumable."""
@@ -96,74 +108,6 @@ class PromptStream:
         return (self.seed * 1_000_003 + position) % 2**31
 
 
-def generate_and_score(client: RolloutClient, tokenizer: Any, prompts: Sequence[PromptSample],
-                       params: SamplingParams, reward: str, *, normalize_std: bool = True,
-                       reward_workers: int | None = None, seeds: list[int] | None = None,
-                       overlong_filter: bool = False,
-                       prompt_limit: tuple[int, str] | None = None,
-                       remote: RemoteReward | None = None,
-                       overlong: OverlongShaping | None = None) -> RolloutBatch:
-    """Sample ``params.n`` responses per prompt, score them (here with the ``reward``
-    function, or by the ``remote`` service), shape the rewards (``overlong``) and compute
-    group advantages.
-
-    ``overlong_filter`` (Klear's ``overlong_filter``) drops the responses that did not end in
-    EOS (finish reason ``length``): they stay in the batch without loss tokens
-    (``kept`` False) and the group advantages use the kept responses only. ``prompt_limit``
-    = (max tokens, ``left`` | ``error``): see :func:`limit_prompt`."""
-    rendered = [render_prompt(tokenizer, p.messages) for p in prompts]
-    prompt_ids = [limit_prompt(tokenizer(text, add_special_tokens=False)["input_ids"], p,
-                               prompt_limit) for text, p in zip(rendered, prompts)]
-    t0 = time.time()
-    gens = client.generate(prompt_ids, params, seeds)
-    t_gen = time.time() - t0
-    batch = RolloutBatch(params.n, max_score=reward_max_score(reward))
-    texts, labels, prompt_texts = [], [], []
-    for p, text, ids, group in zip(prompts, rendered, prompt_ids, gens):
-        for g in group:
-            prompt_texts.append(text)
-            batch.prompt_ids.append(ids)
-            batch.response_ids.append(list(g.output_ids))
-            batch.rollout_logprobs.append(list(g.logprobs))
-            batch.truncated.append(g.finish_reason == "length")
-            batch.prompt_index.append(p.index)
-            batch.routed_experts.append(g.routed_experts)
-            texts.append(g.text)
-            labels.append(p.label)
-    t0 = time.time()
-    scores = remote.score(prompt_texts, texts, labels) if remote else \
-        score_batch(reward, texts, labels, num_workers=reward_workers)
-    batch.rewards = [float(r) for r in scores]
-    batch.stats = {"time/generate_s": t_gen, "time/reward_s": time.time() - t0}
-    if overlong is not None:
-        penalties = [overlong.penalty(len(r)) for r in batch.response_ids]
-        batch.rewards = [r + p for r, p in zip(batch.rewards, penalties)]
-        batch.stats["rollout/overlong_penalty"] = sum(penalties)  # summed over rounds
-    rewards = torch.tensor(batch.rewards, dtype=torch.float64)
-    batch.kept = [not (overlong_filter and t) for t in batch.truncated]
-    if overlong_filter:
-        batch.advantages = kept_group_advantages(rewards, torch.tensor(batch.kept), params.n,
-                                                 normalize_std=normalize_std).tolist()
-    else:
-        batch.advantages = group_advantages(rewards, params.n,
-                                            normalize_std=normalize_std).tolist()
-    return batch
-
-
-def limit_prompt(ids: list[int], sample: PromptSample, limit: tuple[int, str] | None
-                 ) -> list[int]:
-    """A rendered prompt's token ids under ``limit`` = (max tokens, mode): ``left`` keeps the
-    last max tokens (verl's ``truncation='left'``, as Klear's scripts run it), ``error``
-    refuses a longer prompt; None or mode ``off``: unchanged."""
-    if limit is None or limit[1] == "off" or len(ids) <= limit[0]:
-        return ids
-    if limit[1] == "left":
-        return ids[-limit[0]:]
-    raise ValueError(f"prompt {sample.index} has {len(ids)} tokens, more than "
-                     f"--rollout-max-prompt-len {limit[0]}: raise it, filter the data, or pass "
-                     "--truncate-prompt left")
-
-
 def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, num_prompts: int,
                   params: SamplingParams, reward: str, *, dynamic_sampling: bool = True,
                   max_rounds: int = 4, normalize_std: bool = True,
@@ -171,8 +115,11 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
                   overlong_filter: bool = False,
                   prompt_limit: tuple[int, str] | None = None,
                   remote: RemoteReward | None = None,
-                  overlong: OverlongShaping | None = None) -> RolloutBatch:
-    """A batch of ``num_prompts`` groups, refilled past zero-advantage groups when asked.
+                  overlong: OverlongShaping | None = None,
+                  stages: Sequence[str] | None = ()) -> RolloutBatch:
+    """A batch of ``num_prompts`` groups through the rollout pipeline (rollout/pipeline.py:
+    generate -> score -> filters, per round; advantages over the batch), refilled past the
+    groups the filters drop when asked.
 
     With dynamic sampling, rounds of ``gen_batch_size`` (default ``num_prompts``) prompts are
     drawn until enough informative groups exist or ``max_rounds`` is reached (then the batch
@@ -180,60 +127,58 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
     ``filter_metric`` has no spread among its kept responses: ``reward``, or ``acc`` (reward ==
     the reward's maximum; with format penalties a group can have reward spread and no accuracy
     spread). Of more informative groups than needed, the first ``num_prompts`` are kept.
-    ``overlong_filter``, ``prompt_limit``: see :func:`generate_and_score`.
+    ``overlong_filter`` (Klear's): responses without EOS stay without loss tokens and out of
+    the group advantages. ``prompt_limit`` = (max tokens, ``left`` | ``error``): see
+    :func:`~megatron_klear.rollout.pipeline.limit_prompt`. ``remote``: score by the
+    ``--reward-url`` service; ``overlong``: DAPO shaping. ``stages``: ``--rollout-stages``
+    (:func:`~megatron_klear.rollout.pipeline.build_pipeline`).
     """
-    out = RolloutBatch(params.n, max_score=reward_max_score(reward))
-    drawn = zero = 0
-    all_rewards: list[float] = []
-    lengths: list[int] = []
-    truncated: list[bool] = []
+    n = params.n
+    ctx = RolloutContext(client, tokenizer, params, reward, reward_max_score(reward),
+                         normalize_std=normalize_std, filter_metric=filter_metric,
+                         overlong_filter=overlong_filter, prompt_limit=prompt_limit,
+                         remote=remote, overlong=overlong)
+    pipeline = build_pipeline(stages, overlong_filter=overlong_filter,
+                              dynamic_sampling=dynamic_sampling)
+    kept: list[Sample] = []      # the batch: whole groups, in the order drawn
+    scored: list[Sample] = []    # every response scored this step (the rollout/* stats)
+    drawn = dropped = 0
     for _ in range(max_rounds if dynamic_sampling else 1):
-        need = num_prompts - out.groups()
+        need = num_prompts - len(kept) // n
         drawn_now = stream.take((gen_batch_size or num_prompts) if dynamic_sampling else need)
-        got = generate_and_score(client, tokenizer, [p for _, p in drawn_now], params, reward,
-                                 normalize_std=normalize_std,
-                                 seeds=[stream.sampling_seed(pos) for pos, _ in drawn_now],
-                                 overlong_filter=overlong_filter, prompt_limit=prompt_limit,
-                                 remote=remote, overlong=overlong)
-        for k, v in got.stats.items():
-            out.stats[k] = out.stats.get(k, 0.0) + v
-        drawn += got.groups()
-        all_rewards += got.rewards
-        lengths += [len(r) for r in got.response_ids]
-        truncated += got.truncated
-        if dynamic_sampling:
-            flat = flat_groups(group_filter_values(got, filter_metric),
-                               torch.tensor(got.kept), params.n)
-            zero += int(flat.sum())
-            keep = [g for g in range(got.groups()) if not flat[g]][:need]
-            got = got.select_groups(keep)
-        out.extend(got)
-        if out.groups() >= num_prompts:
+        got, left = pipeline.round(ctx, [p for _, p in drawn_now],
+                                   [stream.sampling_seed(pos) for pos, _ in drawn_now])
+        scored += got
+        drawn += len(drawn_now)
+        dropped += len(drawn_now) - len(left) // n
+        kept += left[:need * n]
+        if len(kept) // n >= num_prompts:
             break
-    rounds_gen = out.stats.get("time/generate_s", 0.0)
-    if "rollout/overlong_penalty" in out.stats:  # mean over every response scored
-        out.stats["rollout/overlong_penalty"] /= max(len(all_rewards), 1)
-    out.stats.update({
-        "rollout/reward_mean": sum(all_rewards) / max(len(all_rewards), 1),
-        "rollout/accuracy": sum(r >= out.max_score for r in all_rewards)
-        / max(len(all_rewards), 1),
-        "rollout/response_len": sum(lengths) / max(len(lengths), 1),
-        "rollout/truncation_rate": sum(truncated) / max(len(truncated), 1),
-        "rollout/zero_adv_frac": zero / max(drawn, 1),
+    pipeline.advantages(ctx, kept)
+    return RolloutBatch.from_samples(kept, n, ctx.max_score,
+                                     rollout_stats(ctx, scored, drawn, dropped, len(kept) // n))
+
+
+def rollout_stats(ctx: RolloutContext, scored: Sequence[Sample], drawn: int, dropped: int,
+                  groups: int) -> dict[str, float]:
+    """A step's rollout metrics: the stages' sums (timings, overlong penalty) and means over
+    every response scored in any round; ``dropped`` of the ``drawn`` groups were filtered."""
+    stats = dict(ctx.stats)
+    count = max(len(scored), 1)
+    lengths = [len(s.response_ids) for s in scored]
+    if "rollout/overlong_penalty" in stats:  # mean over every response scored
+        stats["rollout/overlong_penalty"] /= count
+    stats.update({
+        "rollout/reward_mean": sum(s.reward for s in scored) / count,
+        "rollout/accuracy": sum(s.reward >= ctx.max_score for s in scored) / count,
+        "rollout/response_len": sum(lengths) / count,
+        "rollout/truncation_rate": sum(s.truncated for s in scored) / count,
+        "rollout/zero_adv_frac": dropped / max(drawn, 1),
         "rollout/prompts_drawn": float(drawn),
-        "rollout/groups_kept": float(out.groups()),
-        "rollout/tokens_per_s": sum(lengths) / max(rounds_gen, 1e-9),
+        "rollout/groups_kept": float(groups),
+        "rollout/tokens_per_s": sum(lengths) / max(stats.get("time/generate_s", 0.0), 1e-9),
     })
-    return out
-
-
-def group_filter_values(batch: RolloutBatch, metric: str) -> torch.Tensor:
-    """Per-response values whose spread makes a group informative: rewards or accuracies."""
-    if metric == "reward":
-        return torch.tensor(batch.rewards, dtype=torch.float64)
-    if metric == "acc":
-        return torch.tensor([float(r >= batch.max_score) for r in batch.rewards])
-    raise ValueError(f"unknown group filter metric {metric!r}: use reward or acc")
+    return stats
 
 
 def broadcast_batch(batch: RolloutBatch | None) -> RolloutBatch:

@@ -1,4 +1,5 @@
-"""LiveCodeBench code-generation records, read as they are published.
+"""LiveCodeBench code-generation records, read as they are published, into the code reward's
+test formats (rewards/code.py; data/prompts.py reads a dataset's rows through it).
 
 A release row keeps its tests as JSON strings: ``public_test_cases`` is a JSON list of
 ``{"input", "output", "testtype": "stdin" | "functional"}``; ``private_test_cases`` is the

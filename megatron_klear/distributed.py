@@ -1,0 +1,71 @@
+"""torch.distributed and megatron's parallel state for one process of a job: the trainers
+(train/engine.py), the converters and compare_logits (checkpoint/convert.py) and the weight
+sync's rendezvous all start here, so none of them imports another's module for it."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_klear import platform
+
+__all__ = ["free_port", "initialize_parallel", "seed_everything"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int | None = None,
+                        cp: int = 1, ep: int = 1, etp: int | None = None) -> platform.Platform:
+    """Initialise torch.distributed from the torchrun environment and megatron's parallel state.
+
+    ``ep`` / ``etp``: expert-parallel and expert-tensor-parallel sizes (MoE; megatron carves
+    the EP group out of the data-parallel ranks).
+
+    Works under torchrun (env://) and when the default group already exists (tests).
+    Seeds python, numpy, torch and megatron's model-parallel RNG tracker.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    plat = platform.setup()
+    if not dist.is_initialized():
+        if "MASTER_PORT" in os.environ:  # torchrun (or a caller that set the rendezvous)
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            dist.init_process_group(plat.backend)
+        else:  # one process, not under torchrun: a private free port, kept out of os.environ
+            # so that the subprocesses this process starts never inherit a port it holds
+            dist.init_process_group(plat.backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % (tp * pp * cp):
+        raise ValueError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
+                         f" x --context-parallel-size {cp} does not divide the world size {world}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp,
+                                             context_parallel_size=cp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
+    seed_everything(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return plat
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (megatron's tracker is seeded separately)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
