@@ -53,7 +53,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        "megatron-core==0.16.1",  # the tested release (a newer one resolves untested)
         "transformers>=4.51",
         "safetensors",
         "numpy",
@@ -69,7 +69,10 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang[all]>=0.5", "sglang-router"],
+        # one GPU environment, installed in the order of README.md's GPU install with
+        # constraints-gpu.txt (sglang pins torch; TE and _C build against that torch)
+        "gpu": ["transformer-engine[pytorch,core_cu13]==2.11.0", "sglang==0.5.23",
+                "sglang-router==0.3.2", "torch-memory-saver==0.0.10"],
         "test": ["pytest>=8", "pytest-timeout"],
         "wandb": ["wandb"],
     },

@@ -72,10 +72,14 @@ def expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class Generator:
-    """An HF Qwen3 model on CPU with batched sampling (fp32 by default)."""
+    """An HF Qwen3 model with batched sampling (fp32 by default).
+
+    ``device``: where the weights, the KV cache and the forward live (``cpu``; ``cuda`` for
+    the GPU check's colocated hand-over, tests/gpu/gpu_check.py); sampling stays on the host
+    (the last logits are copied there each step), so its numbers do not depend on it."""
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 load_format: str = "auto") -> None:
+                 load_format: str = "auto", device: str = "cpu") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
@@ -85,7 +89,8 @@ class Generator:
             self.model = AutoModelForCausalLM.from_config(config).to(dtype)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
-        self.model.eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.model.to(self.device).eval().requires_grad_(False)
         self.config = self.model.config
         check_supported(self.config)
         self.dtype = dtype
@@ -122,7 +127,7 @@ class Generator:
         k = int(self.config.num_experts_per_tok)
         out = torch.zeros(b, t, self.config.num_hidden_layers, k, dtype=torch.int16)
         for i in self.moe_layers:
-            out[:, :, i] = self._captured[i].view(b, t, k)
+            out[:, :, i] = self._captured[i].view(b, t, k).cpu()
         return out
 
     def _eos_ids(self) -> set[int]:
@@ -181,7 +186,7 @@ class Generator:
         ids, mask = self._left_pad([list(row) for row in unique])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         longest = max(s.cfg.max_new_tokens - len(s.output_ids) for s in seqs)
-        cache = KVCache(self.config, mask, self.dtype,
+        cache = KVCache(self.config, mask.to(self.device), self.dtype,
                         ids.shape[1] + min(longest, INITIAL_DECODE_CAPACITY))
         logits = self._forward(ids, positions, cache,
                                all_logits=any(s.want_input_logprobs for s in seqs))
@@ -199,7 +204,8 @@ class Generator:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  all_logits: bool = False) -> torch.Tensor:
         with self.lock:
-            return forward(self.model, ids, positions, cache, all_logits)
+            return forward(self.model, ids.to(self.device), positions.to(self.device), cache,
+                           all_logits).cpu()
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -306,7 +312,8 @@ class Generator:
             direct = [not errors and self.params[n].dtype == dt
                       and self.params[n].is_contiguous() for n, dt, _ in specs]
             with self.lock if any(direct) else contextlib.nullcontext():
-                tensors = [self.params[n].data if d else torch.empty(shape, dtype=dt)
+                tensors = [self.params[n].data if d else
+                           torch.empty(shape, dtype=dt, device=self.device)
                            for (n, dt, shape), d in zip(specs, direct)]
                 yield tensors
             if not errors:
@@ -336,14 +343,17 @@ class Generator:
 
     def release_weights(self) -> int:
         """Free every parameter's memory (SGLang's ``release_memory_occupation`` with tag
-        ``weights``, which unmaps it through torch_memory_saver); the bytes freed."""
+        ``weights``, which unmaps it through torch_memory_saver); the bytes freed. On a GPU
+        the caching allocator's free blocks (the parameters', the last batches' KV caches) go
+        back to the driver too, so the device's free memory rises as with SGLang."""
         with self.lock:
             named = dict(self.model.named_parameters())
             self._released = {n: p.shape for n, p in named.items()}
             freed = sum(p.numel() * p.element_size() for p in named.values())
             for p in named.values():
-                p.data = torch.empty(0, dtype=p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
             self.params, self._recv_pool = {}, {}
+        torch.cuda.empty_cache()  # nothing to do where CUDA was never initialised
         return freed
 
     def resume_weights(self) -> None:
@@ -353,7 +363,8 @@ class Generator:
         served before the update shows it instead of passing by chance."""
         with self.lock:
             for name, p in self.model.named_parameters():
-                p.data = torch.full(self._released[name], float("nan"), dtype=p.dtype)
+                p.data = torch.full(self._released[name], float("nan"), dtype=p.dtype,
+                                    device=self.device)
             self._released = None
             self.params = dict(self.model.named_parameters()) | expert_views(self.model)
 
@@ -398,7 +409,7 @@ class Generator:
         free = [slot for slot in pool if not in_use(slot)]
         fits = next((slot for slot in free if slot[0].numel() >= nbytes), None)
         if fits is None:
-            fits = [torch.empty(nbytes, dtype=torch.uint8), []]
+            fits = [torch.empty(nbytes, dtype=torch.uint8, device=self.device), []]
             if free:  # a free one too small: replaced
                 pool[:] = [slot for slot in pool if slot is not free[0]]
             if len(pool) < 2:  # else both back parameters: this one is not pooled

@@ -48,9 +48,11 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 class KVCache:
     """Keys and values of every layer in buffers with spare capacity ([b, kv, capacity, d];
     doubled when full), plus each row's additive padding mask over those positions. A step
-    writes its positions in place: no per-step concatenation of the whole cache."""
+    writes its positions in place: no per-step concatenation of the whole cache. The buffers
+    live on ``valid``'s device (the model's)."""
 
     def __init__(self, config, valid: torch.Tensor, dtype: torch.dtype, capacity: int) -> None:
+        self.device = valid.device
         self.layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or (
@@ -59,18 +61,21 @@ class KVCache:
         self.min = torch.finfo(dtype).min
         b = valid.shape[0]
         self.k = self.v = []
-        self.bias = torch.zeros(b, 0, dtype=dtype)
+        self.bias = torch.zeros(b, 0, dtype=dtype, device=self.device)
         self._resize(max(capacity, valid.shape[1]))
         self.bias[:, :valid.shape[1]] = torch.where(valid.bool(), 0.0, self.min)
 
     def _resize(self, capacity: int) -> None:
         b, held = self.bias.shape[0], self.length
         shape = (b, self.kv_heads, capacity, self.head_dim)
-        new_k = [torch.empty(shape, dtype=self.dtype) for _ in range(self.layers)]
-        new_v = [torch.empty(shape, dtype=self.dtype) for _ in range(self.layers)]
+        new_k = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                 for _ in range(self.layers)]
+        new_v = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                 for _ in range(self.layers)]
         for old, new in zip(self.k + self.v, new_k + new_v):
             new[:, :, :held] = old[:, :, :held]
-        bias = torch.zeros(b, capacity, dtype=self.dtype)  # later positions: generated, valid
+        # later positions: generated, valid
+        bias = torch.zeros(b, capacity, dtype=self.dtype, device=self.device)
         bias[:, :self.bias.shape[1]] = self.bias[:, :capacity]
         self.k, self.v, self.bias = new_k, new_v, bias
 
@@ -93,11 +98,12 @@ class KVCache:
         pad = self.bias[:, None, None, :end]
         if steps == 1:
             return pad
-        causal = torch.ones(steps, end, dtype=torch.bool).tril(self.length)
+        causal = torch.ones(steps, end, dtype=torch.bool, device=self.device).tril(self.length)
         return torch.where(causal, pad, self.min)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (the n samples of a prompt share its prefill)."""
+        index = index.to(self.device)
         self.k = [k[index] for k in self.k]
         self.v = [v[index] for v in self.v]
         self.bias = self.bias[index]

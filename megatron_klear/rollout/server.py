@@ -60,7 +60,6 @@ from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, 
 __all__ = ["RolloutServer", "build_app", "main"]
 
 log = logging.getLogger("megatron_klear.rollout.server")
-DEVICE = "cpu"  # where the model computes (/server_info "device", as SGLang reports its own)
 
 # SGLang's memory tags (sglang/srt/constants.py, GPU_MEMORY_ALL_TYPES), in its order
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
@@ -299,7 +298,7 @@ class RolloutServer:
         """GET /server_info: the fields of SGLang's reply the trainer reads (SGLang returns
         every server argument, sglang/srt/entrypoints/http_server.py ``server_info``)."""
         return web.json_response({"model_path": self.gen.model_dir, "tp_size": 1, "pp_size": 1,
-                                  "dp_size": 1, "device": DEVICE,
+                                  "dp_size": 1, "device": self.gen.device.type,
                                   "enable_deterministic_inference": self.deterministic,
                                   "version": "embedded", "weight_version": self.weight_version})
 
@@ -351,8 +350,8 @@ class RolloutServer:
             raise RequestError(f"init_weights_update_group: missing field(s) {missing}")
         name = body.get("group_name", "weight_update_group")
         backend = body.get("backend") or "gloo"
-        if backend == "nccl":  # what NCCL itself would refuse, said before the rendezvous
-            raise RequestError(f"backend 'nccl': this server computes on {DEVICE} (its "
+        if backend == "nccl" and self.gen.device.type != "cuda":  # NCCL's own refusal, early
+            raise RequestError(f"backend 'nccl': this server computes on {self.gen.device} (its "
                                "/server_info device) and NCCL moves CUDA tensors only; the "
                                "trainer must form the weight-update group with gloo")
         if name in self.groups:
@@ -583,6 +582,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour sampling_params.sampling_seed, as SGLang does with this flag")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model computes (SGLang's flag; cuda: the GPU check's "
+                        "colocated hand-over over CUDA IPC handles, tests/gpu/gpu_check.py)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json (benchmarks), as in SGLang")
     p.add_argument("--max-batch-seqs", type=int, default=64,
@@ -599,7 +601,7 @@ def _load_generator(args: argparse.Namespace) -> Generator:
                          "Hugging Face Qwen3 checkpoint")
     try:
         return Generator(args.model, seed=args.seed, dtype=getattr(torch, args.dtype),
-                         load_format=args.load_format)
+                         load_format=args.load_format, device=args.device)
     except (OSError, ValueError, KeyError) as exc:
         raise SystemExit(f"--model {args.model}: cannot load a Qwen3 model ({exc})") from exc
 

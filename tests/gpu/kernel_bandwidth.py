@@ -12,8 +12,8 @@ so fwd+bwd moves 6 B; a device-to-device copy of the same bytes is measured alon
 from __future__ import annotations
 
 import argparse
-import glob
 import sys
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -25,14 +25,17 @@ PEAK_GBPS = [("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H1
 THRESHOLD = 0.85          # fwd+bwd >= 85% of the HBM peak at T=32768, V/TP=151,936 bf16
 THRESHOLD_DEVICES = ("H100", "H200")
 BOUNDARY_ROWS = [14133, 14134, 14135, 28267, 28268, 28269]   # straddle 2^31 and 2^32 elements
+COPY, FUSED = "copy (d2d, reference)", "fwd+bwd (stats + backward)"
 
 
 def load_ops():
-    so = sorted(glob.glob(str(ROOT / "megatron_klear" / "_C*.so")))
-    if not so:
-        sys.exit("kernel_bandwidth: build the extension first (python3 setup.py build_ext "
-                 "--inplace)")
-    torch.ops.load_library(so[0])
+    """torch.ops.klear from this interpreter's build of the extension (a checkout may hold
+    builds for several Python versions)."""
+    so = ROOT / "megatron_klear" / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+    if not so.is_file():
+        sys.exit(f"kernel_bandwidth: no {so.name}: build the extension first (python3 setup.py "
+                 "build_ext --inplace)")
+    torch.ops.load_library(str(so))
     return torch.ops.klear
 
 
@@ -81,6 +84,36 @@ def check_boundary_rows(ops, logits: torch.Tensor, targets: torch.Tensor) -> Non
         sys.exit("kernel_bandwidth: FAIL: wrong results on rows beyond 2^31 elements")
 
 
+def measure(ops, tokens: int, vocab: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """{kernel: (median seconds, achieved GB/s)} at ``tokens`` x ``vocab`` bf16 logits, the
+    device-to-device copy of the same bytes measured in the same run first; the rows beyond
+    2^31 / 2^32 elements are checked against fp64 when the logits reach them."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, v = tokens, vocab
+    logits = (torch.randn(t, v, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, v, (t,), device="cuda", generator=g)
+    if t * v > 2**32:
+        check_boundary_rows(ops, logits, targets)
+    per_row = [torch.rand(t, device="cuda") + 10, torch.rand(t, device="cuda"),
+               torch.randn(t, device="cuda"), torch.randn(t, device="cuda")]
+    logit_bytes = logits.numel() * logits.element_size()
+    copy_dst = torch.empty_like(logits)
+    kernels = {
+        COPY: (lambda: copy_dst.copy_(logits), 2 * logit_bytes),
+        "stats": (lambda: ops.logprob_stats(logits, targets, v, 1.0), logit_bytes),
+        "backward in place": (lambda: ops.logprob_backward_(logits, targets, *per_row, v, 1.0),
+                              2 * logit_bytes),
+        FUSED: (
+            lambda: (ops.logprob_stats(logits, targets, v, 1.0),
+                     ops.logprob_backward_(logits, targets, *per_row, v, 1.0)), 3 * logit_bytes),
+    }
+    out = {}
+    for label, (fn, nbytes) in kernels.items():
+        sec = timed(fn, repeats)
+        out[label] = (sec, nbytes / sec / 1e9)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=32768)
@@ -92,36 +125,16 @@ def main(argv=None) -> int:
     ops = load_ops()
     name = torch.cuda.get_device_name()
     peak = peak_gbps(name)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    t, v = args.tokens, args.vocab
-    logits = (torch.randn(t, v, device="cuda", generator=g) * 3).to(torch.bfloat16)
-    targets = torch.randint(0, v, (t,), device="cuda", generator=g)
-    if t * v > 2**32:
-        check_boundary_rows(ops, logits, targets)
-    per_row = [torch.rand(t, device="cuda") + 10, torch.rand(t, device="cuda"),
-               torch.randn(t, device="cuda"), torch.randn(t, device="cuda")]
-    logit_bytes = logits.numel() * logits.element_size()
-    copy_dst = torch.empty_like(logits)
-    kernels = {
-        "copy (d2d, reference)": (lambda: copy_dst.copy_(logits), 2 * logit_bytes),
-        "stats": (lambda: ops.logprob_stats(logits, targets, v, 1.0), logit_bytes),
-        "backward in place": (lambda: ops.logprob_backward_(logits, targets, *per_row, v, 1.0),
-                              2 * logit_bytes),
-        "fwd+bwd (stats + backward)": (
-            lambda: (ops.logprob_stats(logits, targets, v, 1.0),
-                     ops.logprob_backward_(logits, targets, *per_row, v, 1.0)), 3 * logit_bytes),
-    }
-    print(f"device: {name}; HBM peak {peak or 'unknown'} GB/s; T={t} V/TP={v} bf16")
+    print(f"device: {name}; HBM peak {peak or 'unknown'} GB/s; T={args.tokens} "
+          f"V/TP={args.vocab} bf16")
+    achieved = measure(ops, args.tokens, args.vocab, args.repeats)
     print("| kernel | ms | GB/s | vs HBM peak | vs measured copy |")
     print("|---|---|---|---|---|")
-    achieved = {}
-    for label, (fn, nbytes) in kernels.items():
-        sec = timed(fn, args.repeats)
-        achieved[label] = nbytes / sec / 1e9
-        vs_peak = f"{achieved[label] / peak:.1%}" if peak else "-"
-        vs_copy = achieved[label] / achieved.get("copy (d2d, reference)", achieved[label])
-        print(f"| {label} | {sec * 1e3:.2f} | {achieved[label]:.0f} | {vs_peak} | {vs_copy:.1%} |")
-    fused = achieved["fwd+bwd (stats + backward)"]
+    for label, (sec, gbps) in achieved.items():
+        vs_peak = f"{gbps / peak:.1%}" if peak else "-"
+        print(f"| {label} | {sec * 1e3:.2f} | {gbps:.0f} | {vs_peak} | "
+              f"{gbps / achieved[COPY][1]:.1%} |")
+    fused = achieved[FUSED][1]
     if any(d in name for d in THRESHOLD_DEVICES) and peak:
         ok = fused >= THRESHOLD * peak
         print(f"threshold: fwd+bwd {fused / peak:.1%} of HBM peak, target >= {THRESHOLD:.0%}: "

@@ -8,6 +8,15 @@ sglang/srt/mem_cache/pool_host/common.py _cuda_host_register), which a CPU torch
 asks for routed experts over HTTP and checks their shape ([prompt + response - 1, layers,
 top-k]) and values against transformers' own router top-k of the same sequence.
 
+fp32 needs an attention backend that takes it (issue 38, defect 7): on Hopper SGLang 0.5.23
+picks FA3, which takes fp16/bf16/fp8 only (flashinfer the same), so the server runs
+``--attention-backend torch_native`` (torch's scaled_dot_product_attention, any dtype; one of
+sglang/srt/arg_groups/choices.py ATTENTION_BACKEND_CHOICES, the backend the CPU interop tier
+uses; SGLang disables CUDA graphs with it). fp32 keeps the routers' inputs as close to
+transformers' fp32 as SGLang allows: its Triton fused-MoE kernel still rounds expert outputs
+to fp16 in an fp32 model (moe_runner/triton_utils/fused_moe.py ``compute_type``), so a
+router top-k that is a near-tie may differ; the script prints the layer that differs.
+
   python tests/gpu/routed_experts_sglang.py [--python /path/to/sglang/python]
 """
 
@@ -20,9 +29,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_klear.models.tiny import save_tiny_hf_model
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
-from megatron_klear.rollout.launcher import launch_sglang_servers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worktree's package
+
+from megatron_klear.models.tiny import save_tiny_hf_model  # noqa: E402
+from megatron_klear.rollout.client import RolloutClient, SamplingParams  # noqa: E402
+from megatron_klear.rollout.launcher import launch_sglang_servers  # noqa: E402
 
 
 def main() -> None:
@@ -35,8 +46,9 @@ def main() -> None:
     hf = save_tiny_hf_model(root / "hf", moe=True, std=0.2, seed=0)
     prompt = [5, 6, 7, 8, 9]
     with launch_sglang_servers(hf, 1, log_dir=root, python=args.python,
-                               extra_args=["--dtype", "float32",
-                                           "--enable-return-routed-experts"]) as servers:
+                               extra_args=["--dtype", "float32", "--attention-backend",
+                                           "torch_native", "--enable-return-routed-experts"]
+                               ) as servers:
         params = SamplingParams(n=1, max_new_tokens=6, return_routed_experts=True)
         gen = RolloutClient(servers.urls).generate([prompt], params)[0][0]
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
