@@ -79,16 +79,33 @@ def _stop_when(proc, ready, timeout=120):
     return False
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(setup):
+    """The uninterrupted 8-step run of each flag set, by step: one launch per flag set,
+    shared by the kill points that resume runs with those flags."""
+    root, hf, data = setup
+    runs: dict[tuple[str, ...], dict[int, dict]] = {}
+
+    def reference(flags: tuple[str, ...]) -> dict[int, dict]:
+        if flags not in runs:
+            ref_dir = root / ("ref" + "".join(flags).replace("-", "_"))
+            subprocess.run(_cli(hf, data, ref_dir, 8, *flags), check=True, capture_output=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+            runs[flags] = _final_by_step(ref_dir / "metrics.jsonl")
+        return runs[flags]
+    return reference
+
+
 @pytest.mark.parametrize("where,flags", [
     ("mid_training", ()), ("while_saving", ()),
     # megatron-core 0.16.1's distributed optimizer resumed with a stale/shared Adam step
     ("mid_training", ("--use-distributed-optimizer",))])
-def test_sigkill_resume_is_exact(setup, where, flags):
+def test_sigkill_resume_is_exact(setup, uninterrupted, where, flags):
     root, hf, data = setup
     tag = where + "".join(flags).replace("-", "_")
-    ref_dir, run_dir = root / f"ref_{tag}", root / f"run_{tag}"
+    run_dir = root / f"run_{tag}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(_cli(hf, data, ref_dir, 8, *flags), check=True, env=env, capture_output=True)
+    ref = uninterrupted(flags)
     proc = subprocess.Popen(_cli(hf, data, run_dir, 8, *flags), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
@@ -101,7 +118,7 @@ def test_sigkill_resume_is_exact(setup, where, flags):
     if where == "while_saving":
         assert not (run_dir / "iter_0000004").exists()  # the interrupted save never published
     subprocess.run(_cli(hf, data, run_dir, 8, *flags), check=True, env=env, capture_output=True)
-    ref, got = _final_by_step(ref_dir / "metrics.jsonl"), _final_by_step(metrics)
+    got = _final_by_step(metrics)
     assert sorted(got) == sorted(ref) == list(range(1, 9))
     for step in range(1, 9):  # bitwise-identical losses, identical samples, in order
         assert got[step]["loss"] == ref[step]["loss"], step
