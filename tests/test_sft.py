@@ -41,12 +41,13 @@ def _train(rank, world, argv):
 def test_tp2_learns_and_resumes_at_pp2(setup):
     root, hf, data = setup
     full = run_distributed(_train, 2, _args(hf, data, root / "tp2_full", 6,
-                                              "--tensor-model-parallel-size", "2"))[0]
+                                              "--tensor-model-parallel-size", "2",
+                                              "--save-interval", "3"))[0]
     assert full[-1] < 0.85 * full[0]  # TP=2 lowers the loss (4.62 -> 3.74 in 6 steps)
-    run_distributed(_train, 2, _args(hf, data, root / "tp2", 3, "--tensor-model-parallel-size", "2"))
+    # the same run's step-3 checkpoint (a 3-step run of its own would repeat steps 1-3)
     resumed = run_distributed(_train, 2, _args(hf, data, root / "pp2", 6,
-                                                 "--pipeline-model-parallel-size", "2",
-                                                 "--load", str(root / "tp2")))[0]
+                                                 "--pipeline-model-parallel-size", "2", "--load",
+                                                 str(root / "tp2_full" / "iter_0000003")))[0]
     assert len(resumed) == 3  # steps 4..6 only
     for got, want in zip(resumed, full[3:]):  # weights, optimizer and data position carried over
         assert abs(got - want) < 1e-5, (resumed, full[3:])
