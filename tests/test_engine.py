@@ -67,10 +67,33 @@ def test_same_seed_is_bitwise_reproducible(reference, tmp_path):
     assert [m["grad_norm"] for m in again] == [m["grad_norm"] for m in reference[1]]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
-def test_layouts_match_tp1(reference, tp, pp):
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp) on two ranks
+
+
+def _train_each_layout(rank, world, ckpt_dir):
+    """_train at every layout of LAYOUTS in turn, in the same ranks (one launch for all)."""
+    from megatron.core import parallel_state
+
+    out = {}
+    for name, (tp, pp) in LAYOUTS.items():
+        steps = _train(rank, world, tp, pp, ckpt_dir, False)
+        ran = (parallel_state.get_tensor_model_parallel_world_size(),
+               parallel_state.get_pipeline_model_parallel_world_size())
+        out[name] = dict(steps=steps, layout=ran)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(reference):
+    return run_distributed(_train_each_layout, 2, reference[0])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_match_tp1(reference, layouts, layout):
     ckpt, ref = reference
-    results = run_distributed(_train, 2, tp, pp, ckpt, False)
+    assert all(per_rank[layout]["layout"] == LAYOUTS[layout] for per_rank in layouts)
+    results = [per_rank[layout]["steps"] for per_rank in layouts]
     assert ref[-1]["loss"] < ref[0]["loss"]  # the reference actually trains
     for metrics in results:  # every rank reports the same (broadcast) metrics
         for step, (got, want) in enumerate(zip(metrics, ref)):

@@ -1,5 +1,6 @@
 """Every example script parses (bash -n) and validates its config with --dry-run, no GPUs."""
 
+import functools
 import json
 import os
 import subprocess
@@ -20,13 +21,25 @@ def test_bash_syntax(script):
 TRAINERS = [s for s in SCRIPTS if s.name.startswith("run_")]
 
 
+@functools.cache
+def dry_run(script: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``bash script --dry-run *extra``, launched once per command line: the tests that check
+    different things of the same dry run share it."""
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+    return subprocess.run(["bash", str(script), "--dry-run", *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def dry_run_report(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON report a dry run prints after its log lines."""
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
 @pytest.mark.parametrize("script", TRAINERS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_dry_run_validates_config(script):
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(["bash", str(script), "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = dry_run(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    out = dry_run_report(proc)
     assert out["dry_run"]["data_parallel_size"] >= 1
     assert out["config"]["bf16"] is True
     memory = out["dry_run"]["memory"]  # planned from the shipped hf_config/config.json
@@ -85,10 +98,8 @@ COLOCATE = ROOT / "examples" / "single_node_8gpu" / "run_rl_colocate.sh"
 
 
 def _colocate_dry_run(*extra: str) -> tuple[subprocess.CompletedProcess, dict]:
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(["bash", str(COLOCATE), "--dry-run", *extra], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    return proc, json.loads(proc.stdout[proc.stdout.index("{"):])["dry_run"]
+    proc = dry_run(COLOCATE, *extra)  # without extra: test_dry_run_validates_config's run
+    return proc, dry_run_report(proc)["dry_run"]
 
 
 def test_colocated_8b_dry_run_plans_both_phases():

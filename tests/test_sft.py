@@ -41,12 +41,13 @@ def _train(rank, world, argv):
 def test_tp2_learns_and_resumes_at_pp2(setup):
     root, hf, data = setup
     full = run_distributed(_train, 2, _args(hf, data, root / "tp2_full", 6,
-                                              "--tensor-model-parallel-size", "2"))[0]
+                                              "--tensor-model-parallel-size", "2",
+                                              "--save-interval", "3"))[0]
     assert full[-1] < 0.85 * full[0]  # TP=2 lowers the loss (4.62 -> 3.74 in 6 steps)
-    run_distributed(_train, 2, _args(hf, data, root / "tp2", 3, "--tensor-model-parallel-size", "2"))
+    # the same run's step-3 checkpoint (a 3-step run of its own would repeat steps 1-3)
     resumed = run_distributed(_train, 2, _args(hf, data, root / "pp2", 6,
-                                                 "--pipeline-model-parallel-size", "2",
-                                                 "--load", str(root / "tp2")))[0]
+                                                 "--pipeline-model-parallel-size", "2", "--load",
+                                                 str(root / "tp2_full" / "iter_0000003")))[0]
     assert len(resumed) == 3  # steps 4..6 only
     for got, want in zip(resumed, full[3:]):  # weights, optimizer and data position carried over
         assert abs(got - want) < 1e-5, (resumed, full[3:])
@@ -79,16 +80,33 @@ def _stop_when(proc, ready, timeout=120):
     return False
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(setup):
+    """The uninterrupted 8-step run of each flag set, by step: one launch per flag set,
+    shared by the kill points that resume runs with those flags."""
+    root, hf, data = setup
+    runs: dict[tuple[str, ...], dict[int, dict]] = {}
+
+    def reference(flags: tuple[str, ...]) -> dict[int, dict]:
+        if flags not in runs:
+            ref_dir = root / ("ref" + "".join(flags).replace("-", "_"))
+            subprocess.run(_cli(hf, data, ref_dir, 8, *flags), check=True, capture_output=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+            runs[flags] = _final_by_step(ref_dir / "metrics.jsonl")
+        return runs[flags]
+    return reference
+
+
 @pytest.mark.parametrize("where,flags", [
     ("mid_training", ()), ("while_saving", ()),
     # megatron-core 0.16.1's distributed optimizer resumed with a stale/shared Adam step
     ("mid_training", ("--use-distributed-optimizer",))])
-def test_sigkill_resume_is_exact(setup, where, flags):
+def test_sigkill_resume_is_exact(setup, uninterrupted, where, flags):
     root, hf, data = setup
     tag = where + "".join(flags).replace("-", "_")
-    ref_dir, run_dir = root / f"ref_{tag}", root / f"run_{tag}"
+    run_dir = root / f"run_{tag}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(_cli(hf, data, ref_dir, 8, *flags), check=True, env=env, capture_output=True)
+    ref = uninterrupted(flags)
     proc = subprocess.Popen(_cli(hf, data, run_dir, 8, *flags), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
@@ -101,7 +119,7 @@ def test_sigkill_resume_is_exact(setup, where, flags):
     if where == "while_saving":
         assert not (run_dir / "iter_0000004").exists()  # the interrupted save never published
     subprocess.run(_cli(hf, data, run_dir, 8, *flags), check=True, env=env, capture_output=True)
-    ref, got = _final_by_step(ref_dir / "metrics.jsonl"), _final_by_step(metrics)
+    got = _final_by_step(metrics)
     assert sorted(got) == sorted(ref) == list(range(1, 9))
     for step in range(1, 9):  # bitwise-identical losses, identical samples, in order
         assert got[step]["loss"] == ref[step]["loss"], step

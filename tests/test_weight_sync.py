@@ -148,13 +148,37 @@ def _hf_bytes(model_dir) -> int:
         return sum(f.get_tensor(k).numel() * 4 for k in f.keys())
 
 
-@pytest.mark.parametrize("tp, pp, load_format, dist_opt", [
-    (2, 1, "flattened_bucket", False), (1, 2, None, False), (1, 1, "flattened_bucket", True)])
-def test_sync_makes_server_match_trainer(server, model_dir, tp, pp, load_format, dist_opt):
+SYNC_LAYOUTS = [(2, 1, "flattened_bucket", False), (1, 2, None, False),
+                (1, 1, "flattened_bucket", True)]  # (tp, pp, load_format, dist_opt)
+
+
+def _sync_each_layout(rank: int, world: int, url: str, model_dir: str) -> list[dict]:
+    """_sync_and_probe for every layout of SYNC_LAYOUTS in turn, in the same two ranks (one
+    launch for all); rank 0's results hold the weight version the server reports after it."""
+    from megatron.core import parallel_state
+
+    out = []
+    for layout in SYNC_LAYOUTS:
+        out.append(_sync_and_probe(rank, world, url, model_dir, *layout))
+        parallel_state.destroy_model_parallel()
+        if rank == 0:
+            gen = RolloutClient([url]).generate(["a"], SamplingParams(max_new_tokens=1))[0][0]
+            out[-1]["server_version"] = gen.weight_version
+    return out
+
+
+@pytest.fixture(scope="module")
+def synced(server, model_dir) -> dict[tuple, list[dict]]:
+    """Per layout of SYNC_LAYOUTS, the per-rank results of _sync_each_layout."""
+    ranks = run_distributed(_sync_each_layout, 2, server.urls[0], str(model_dir), timeout=600)
+    return {layout: [r[i] for r in ranks] for i, layout in enumerate(SYNC_LAYOUTS)}
+
+
+@pytest.mark.parametrize("tp, pp, load_format, dist_opt", SYNC_LAYOUTS)
+def test_sync_makes_server_match_trainer(synced, model_dir, tp, pp, load_format, dist_opt):
     """dist_opt: DDP with the distributed optimizer at DP=2 (the recipes' layout); adjacent
     parameters are sent from their own memory, the rest packed."""
-    results = run_distributed(_sync_and_probe, 2, server.urls[0], str(model_dir), tp, pp,
-                              load_format, dist_opt, timeout=240)
+    results = synced[(tp, pp, load_format, dist_opt)]
     diffs = {k: v for r in results for k, v in r["diffs"].items()}
     assert diffs["before_sync"] > STALE_MIN, diffs
     assert diffs["after_sync"] < SYNCED_TOL, diffs
@@ -168,8 +192,7 @@ def test_sync_makes_server_match_trainer(server, model_dir, tp, pp, load_format,
         planned = results[0]["planned"]
         assert planned["direct"] >= 2 and planned["buckets"] > planned["direct"], planned
     version = "v2" if pp == 1 else "v1"
-    gen = RolloutClient(server.urls).generate(["a"], SamplingParams(max_new_tokens=1))[0][0]
-    assert gen.weight_version == version
+    assert results[0]["server_version"] == version
 
 
 def test_iter_buckets_respects_size_and_order():
