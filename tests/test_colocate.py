@@ -252,6 +252,31 @@ def test_colocated_run_as_the_launch_script_starts_it(model_dir, tmp_path):
         # the sync: the parameters, the probe's forward and at most two buckets' staging
         assert m["memory/trainer_sync_peak_gib"] < m["memory/trainer_train_peak_gib"]
     assert hist[1]["memory/trainer_save_peak_gib"] * gib >= hist[0]["colocate/offloaded_bytes"]
+    # against the dry run's plan of this run (train/memory.py): the state it moves is the
+    # plan's parameters + grads + optimizer state (DDP's padding aside), training stays
+    # within the trainer's plan; a save's temporaries come on top of the state (measured
+    # 1.4x here, docs/gpu_path.md)
+    plan = _plan(argv)
+    moved = hist[0]["colocate/offloaded_bytes"]
+    assert abs(moved - plan.save_state) <= 0.01 * plan.save_state
+    assert max(m["memory/trainer_train_peak_gib"] for m in hist) * gib <= plan.trainer
+    assert hist[1]["memory/trainer_save_peak_gib"] * gib <= 2 * plan.save_state
+
+
+def _plan(argv: list[str]):
+    """The trainer's part of the dry run's plan of ``argv`` (2 GPUs): its peak, and the
+    state a save brings back."""
+    from types import SimpleNamespace
+
+    from megatron_klear.config import parse_config
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.memory import plan_memory
+    from megatron_klear.train.rl import RLConfig, memory_workload
+
+    cfg = parse_config(RLConfig, argv)
+    peak = plan_memory(qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint)), cfg, 2,
+                       memory_workload(cfg)).peak
+    return SimpleNamespace(trainer=peak.total, save_state=peak.params + peak.grads + peak.optimizer)
 
 
 def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:

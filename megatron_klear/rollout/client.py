@@ -34,7 +34,8 @@ from typing import Any, AsyncIterator, Iterator
 import aiohttp
 import torch
 
-__all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError", "RoutedExpertsMissing", "sample_seed"]
+__all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError",
+           "RoutedExpertsMissing", "sample_seed"]
 
 
 log = logging.getLogger("megatron_klear.rollout.client")

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_klear.train.offload import TrainerOffload
 
-__all__ = ["Colocation", "RELEASE_ORDER", "LAUNCH_RELEASED", "PHASES", "engine_memory_state"]
+__all__ = ["Colocation", "RELEASE_ORDER", "LAUNCH_RELEASED", "engine_memory_state"]
 
 RELEASE_ORDER = ("kv_cache", "weights")  # SGLang's tags, in the order the engines free them
 # What a colocated run is handed by a launch script (run_rl_colocate.sh, tests/gpu/): SGLang
@@ -45,7 +45,6 @@ RELEASE_ORDER = ("kv_cache", "weights")  # SGLang's tags, in the order the engin
 # SGLang 0.5.23 cannot be asked (its offload_tags stay inside the scheduler,
 # sglang/srt/managers/scheduler_components/weight_updater.py); the embedded server answers.
 LAUNCH_RELEASED = ("kv_cache", "weights")
-PHASES = ("train", "sync", "rollout", "save")  # the plan's phases (train/memory.py)
 
 
 def engine_memory_state(client) -> set[str]:
@@ -115,7 +114,8 @@ class Colocation:
         phase's included."""
         done, self.phase = self.phase, phase
         key = f"memory/trainer_{done}_peak_gib"  # a phase cut by a save: the larger part
-        self._peaks[key] = max(self._peaks.get(key, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        self._peaks[key] = max(self._peaks.get(key, 0.0), peak)
         torch.cuda.reset_peak_memory_stats()
         peaks, self._peaks = self._peaks, {}
         return peaks
