@@ -309,6 +309,14 @@ def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:
     flat = shared_buffer(8, torch.device("cuda"))
     payload = {"serialized_named_tensors": [serialize_bucket(
         flat, [("model.norm.weight", (2,), torch.float32, 0)])], "load_format": "flattened_bucket"}
+    from megatron_klear import platform  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
+
+    platform._TAGS.limit = torch.cuda.memory_allocated() + 1024
+    try:
+        torch.empty(4096, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as exc:
+        out["oom"] = str(exc)
+    platform._TAGS.limit = None
     for url in urls:
         RolloutClient([url]).post_all("/begin_weight_update", {})
         out[url] = _post(url, "/update_weights_from_tensor", payload)
@@ -321,12 +329,14 @@ def test_saves_and_the_end_release_the_engines_kv_cache(model_dir):
     state back only with the engines' KV cache released (the plan's save phase: trainer state
     + engine weights), then resumes it; the run's end releases it for good before the
     trainer comes back for the HF export. And defect 2's twin: a handle of GPU 0 is mapped by
-    the engine on GPU 0 and refused by the engine on GPU 1 (SGLang: "Invalid device_uuid")."""
+    the engine on GPU 0 and refused by the engine on GPU 1 (SGLang: "Invalid device_uuid").
+    The virtual GPU refuses an allocation beyond its size, as CUDA's allocator does."""
     with launch_embedded_servers(model_dir, 2) as servers:
         r = run_strict(_save_phase, 1, str(model_dir), servers.urls, timeout=300)[0]
     assert r["start"] == [] and r["in_save"] == ["kv_cache"] and r["after_save"] == []
     assert r["save_bytes"] == r["state_bytes"] > 0 and r["after_save_bytes"] == 0
     assert r["after_close"] == ["kv_cache"] and r["onloaded"]
+    assert "CUDA out of memory (virtual GPU cuda:0)" in r["oom"]
     gpu0, gpu1 = (r[u] for u in servers.urls)
     assert gpu0[0] == 400 and "model.norm.weight" in gpu0[1]["message"]  # mapped, wrong shape
     assert gpu1[0] == 400 and "Invalid device_uuid=GPU-virtual-0" in gpu1[1]["message"]
