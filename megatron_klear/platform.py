@@ -32,6 +32,15 @@ emulated (``pin_memory()``, ``pin_memory=True``, ``is_pinned()``), so that megat
 CPU-offloading optimizer really offloads: it keeps pinned CPU copies of every parameter that
 reports ``is_cuda``. See tests/test_placement.py and tests/virtual_cuda.py.
 
+The virtual device has an index and a memory (issue 38): tagged tensors report
+``cuda:LOCAL_RANK``; :func:`gpu_uuid` names the GPU behind an index as CUDA does, through
+``CUDA_VISIBLE_DEVICES`` (a tensor handle carries it, as SGLang's device-UUID reductions
+make it, and a receiver that does not see that GPU refuses it: :func:`gpu_index_of_uuid`);
+the bytes of the tagged storages are counted (allocation, resize, free), so
+``torch.cuda.memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats`` /
+``mem_get_info`` answer for the virtual GPU, and with ``KLEAR_VIRTUAL_GPU_MEMORY_GB`` set an
+allocation beyond it raises ``torch.OutOfMemoryError`` as CUDA's allocator does.
+
 This is the ONLY module that knows the trainer may run without CUDA; everything else is
 written as if on GPU. :func:`setup` is idempotent.
 """
@@ -53,10 +62,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["Platform", "setup", "cuda_available", "device", "backend", "batch_p2p_comm",
-           "is_emulated", "host_only_section", "host_collective",
-           "DeviceMismatchError", "STRICT_ENV"]
+           "is_emulated", "host_only_section", "host_collective", "is_virtual_cuda", "share_memory",
+           "gpu_uuid", "gpu_index_of_uuid", "DeviceMismatchError", "STRICT_ENV",
+           "VIRTUAL_MEMORY_ENV"]
 
 STRICT_ENV = "KLEAR_STRICT_DEVICES"
+VIRTUAL_MEMORY_ENV = "KLEAR_VIRTUAL_GPU_MEMORY_GB"  # strict mode: the virtual GPU's size
 
 
 _TORCH_CUDA_AVAILABLE = torch.cuda.is_available  # strict device mode replaces the attribute
@@ -77,6 +88,45 @@ def device() -> torch.device:
     if cuda_available() or _strict():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def _visible_gpus() -> list[int] | None:
+    """The physical GPUs ``CUDA_VISIBLE_DEVICES`` lists, in this process's order (None: all)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return None
+    return [int(x) for x in visible.split(",")]
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of this process's GPU ``index``, as SGLang's ``_device_to_uuid`` names it in a
+    tensor handle (sglang/srt/utils/patch_torch.py). In strict device mode (or any process
+    without CUDA, e.g. an embedded server) the virtual GPU's: ``GPU-virtual-<physical index>``,
+    the physical index found through ``CUDA_VISIBLE_DEVICES`` as CUDA maps it."""
+    if cuda_available():
+        return str(torch.cuda.get_device_properties(index).uuid)
+    visible = _visible_gpus()
+    if visible is not None and not 0 <= index < len(visible):
+        raise RuntimeError(f"CUDA error: invalid device ordinal {index} (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ['CUDA_VISIBLE_DEVICES']})")
+    return f"GPU-virtual-{visible[index] if visible is not None else index}"
+
+
+def gpu_index_of_uuid(uuid: str) -> int:
+    """This process's index of the GPU ``uuid``; raises as SGLang's
+    ``_device_from_maybe_uuid`` does ("Invalid device_uuid=...") when this process does not
+    see it (a handle of memory on another GPU)."""
+    if cuda_available():
+        count = torch.cuda.device_count()
+    else:
+        visible = _visible_gpus()
+        count = len(visible) if visible is not None else int(uuid.rsplit("-", 1)[-1]) + 1
+    for index in range(count):
+        if gpu_uuid(index) == uuid:
+            return index
+    raise RuntimeError(f"Invalid device_uuid={uuid} (this process sees CUDA_VISIBLE_DEVICES="
+                       f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): the handle is of memory on "
+                       "a GPU this process cannot see")
 
 
 def backend() -> str:
@@ -197,6 +247,32 @@ class _DeviceTags:
 
     def __init__(self) -> None:
         self.cuda: dict[int, weakref.ref] = {}
+        self.sizes: dict[int, int] = {}  # bytes of each tagged storage, as last counted
+        self.allocated = self.peak = 0  # bytes on the virtual GPU now, and the peak
+        self.limit: int | None = None  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
+
+    def _count(self, key: int, nbytes: int) -> None:
+        """Set the counted bytes of storage ``key``; raise as CUDA's allocator does when the
+        virtual GPU's size is exceeded."""
+        grow = nbytes - self.sizes.get(key, 0)
+        if grow > 0 and self.limit is not None and self.allocated + grow > self.limit:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (virtual GPU {device()}): tried to allocate {grow} bytes "
+                f"with {self.allocated} of {self.limit} allocated ({VIRTUAL_MEMORY_ENV})")
+        self.allocated += grow
+        self.sizes[key] = nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def _forget(self, key: int) -> None:
+        self.cuda.pop(key, None)
+        self.allocated -= self.sizes.pop(key, 0)
+
+    def resized(self, storage) -> None:
+        """Count a tagged storage's new size (``UntypedStorage.resize_``: offload's way to free
+        and re-allocate device memory)."""
+        ref = self.cuda.get(id(storage))
+        if ref is not None and ref() is storage:
+            self._count(id(storage), storage.nbytes())
 
     @staticmethod
     def _storage(t: torch.Tensor):
@@ -217,10 +293,13 @@ class _DeviceTags:
             if storage is None:
                 continue
             key = id(storage)
-            if on_cuda:
-                self.cuda[key] = weakref.ref(storage, lambda _, k=key: self.cuda.pop(k, None))
-            else:
-                self.cuda.pop(key, None)
+            ref = self.cuda.get(key)
+            if on_cuda and (ref is None or ref() is not storage):
+                self._forget(key)  # a dead storage's tag at a recycled address
+                self._count(key, storage.nbytes())
+                self.cuda[key] = weakref.ref(storage, lambda _, k=key: self._forget(k))
+            elif not on_cuda and ref is not None:
+                self._forget(key)
 
 
 _TAGS = _DeviceTags()
@@ -261,12 +340,26 @@ def host_collective() -> Iterator[None]:
         yield
     finally:
         _HOST_COLLECTIVE.depth = depth
-_VIRTUAL_CUDA = torch.device("cuda", 0)
-_DEVICE_QUERIES = {
-    torch.Tensor.device.__get__: lambda t: _VIRTUAL_CUDA if _TAGS.is_cuda(t) else t.device,
+_DEVICE_QUERIES = {  # the virtual device is this process's GPU, cuda:LOCAL_RANK
+    torch.Tensor.device.__get__: lambda t: device() if _TAGS.is_cuda(t) else t.device,
     torch.Tensor.is_cuda.__get__: lambda t: _TAGS.is_cuda(t) or t.is_cuda,
-    torch.Tensor.get_device: lambda t: 0 if _TAGS.is_cuda(t) else t.get_device(),
+    torch.Tensor.get_device: lambda t: device().index if _TAGS.is_cuda(t) else t.get_device(),
 }
+
+
+def is_virtual_cuda(t: torch.Tensor) -> bool:
+    """True for a tensor of the strict mode's virtual GPU (host memory that plays CUDA)."""
+    return _strict() and _TAGS.is_cuda(t)
+
+
+def share_memory(t: torch.Tensor) -> torch.Tensor:
+    """``t.share_memory_()`` (host memory another process can map by handle), keeping a
+    virtual-CUDA tensor on its virtual GPU (sharing gives it a new storage)."""
+    virtual = is_virtual_cuda(t)
+    t.share_memory_()
+    if virtual:
+        _TAGS.set(t, True)
+    return t
 # ops CUDA torch runs across devices: copies, and indexing with CPU index tensors
 _CROSS_DEVICE = {"aten::copy_", "aten::_to_copy", "aten::index.Tensor", "aten::index_put_",
                  "aten::index_put", "aten::_index_put_impl_", "aten::set_"}
@@ -342,8 +435,12 @@ def _patch_cuda_module() -> None:
     cuda.synchronize = lambda *a, **k: None
     cuda.set_device = lambda *a, **k: None
     cuda.empty_cache = lambda: None
-    cuda.memory_allocated = lambda *a, **k: 0
-    cuda.max_memory_allocated = lambda *a, **k: 0
+    # the virtual GPU's bytes in strict device mode (nothing is tagged otherwise: 0)
+    cuda.memory_allocated = lambda *a, **k: _TAGS.allocated
+    cuda.max_memory_allocated = lambda *a, **k: _TAGS.peak
+    cuda.reset_peak_memory_stats = lambda *a, **k: setattr(_TAGS, "peak", _TAGS.allocated)
+    cuda.mem_get_info = lambda *a, **k: (
+        (_TAGS.limit - _TAGS.allocated, _TAGS.limit) if _TAGS.limit is not None else (0, 0))
     cuda.current_stream = lambda *a, **k: _NullStream()
     cuda.Stream = _NullStream  # a class: annotations like `torch.cuda.Stream | None` work
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
@@ -354,6 +451,21 @@ def _patch_cuda_module() -> None:
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
+
+
+def _count_virtual_memory() -> None:
+    """Strict mode: the virtual GPU's size from ``KLEAR_VIRTUAL_GPU_MEMORY_GB``, and storage
+    resizes counted (``UntypedStorage.resize_`` is no aten op the dispatch mode sees)."""
+    size = os.environ.get(VIRTUAL_MEMORY_ENV)
+    _TAGS.limit = int(float(size) * 2**30) if size else None
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(self, size):
+        out = resize(self, size)
+        _TAGS.resized(self)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
 
 
 def _patch_megatron_rng() -> None:
@@ -497,6 +609,7 @@ def setup() -> Platform:
         strict = _strict()
         if strict:
             torch.cuda.is_available = lambda: True  # the virtual device is a CUDA device
+            _count_virtual_memory()
             check = _DeviceCheckMode()
             check.__enter__()
             _STATE["check"] = check

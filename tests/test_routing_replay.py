@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.client import RolloutClient, RoutedExpertsMissing, SamplingParams
 from megatron_klear.rollout.launcher import launch_embedded_servers
 from tests.dist import run_distributed
 
@@ -23,7 +23,7 @@ def rollout(tmp_path_factory):
 
     hf = save_tiny_hf_model(tmp_path_factory.mktemp("moe") / "hf", moe=True, std=0.2, seed=0)
     params = SamplingParams(n=2, max_new_tokens=6, return_routed_experts=True)
-    with launch_embedded_servers(hf) as servers:
+    with launch_embedded_servers(hf, return_routed_experts=True) as servers:
         gens = [g for group in RolloutClient(servers.urls).generate(PROMPTS, params, [1, 2])
                 for g in group]
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
@@ -136,6 +136,33 @@ def test_rl_step_with_routing_replay(rollout, tmp_path):
     for m in hist:
         assert m["train/mismatch_abs_logprob"] < 1e-4
         assert m["weight_sync/probe_max_abs_diff"] < 1e-4
+
+
+def test_replay_against_an_engine_without_experts_stops(rollout, tmp_path):
+    """Defect 9 of issue 38: an engine started without --enable-return-routed-experts (as
+    SGLang: the request's return_routed_experts is then ignored) returns no experts; a
+    klear-rl run with --use-routing-replay against it stops at its first rollout naming the
+    flag, instead of training with the trainer's own top-k."""
+    import json
+
+    hf = rollout[0]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x"}) + "\n"
+                            for i in range(4)))
+    params = SamplingParams(n=1, max_new_tokens=2, return_routed_experts=True)
+    with launch_embedded_servers(hf) as servers:
+        assert RolloutClient(servers.urls).server_info()[servers.urls[0]][
+            "enable_return_routed_experts"] is False
+        with pytest.raises(RoutedExpertsMissing, match="--enable-return-routed-experts"):
+            RolloutClient(servers.urls).generate([PROMPTS[0]], params)
+        args = ["--hf-checkpoint", hf, "--prompt-data", str(data), "--reward",
+                "tests.reward_plugins:parity_reward", "--rollout-batch-size", "2",
+                "--mini-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size",
+                "4", "--rollout-max-response-len", "4", "--no-dynamic-sampling",
+                "--train-iters", "1", "--no-progress-bar", "--use-routing-replay",
+                "--rollout-urls", *servers.urls]
+        with pytest.raises(AssertionError, match="RoutedExpertsMissing.*--enable-return-rout"):
+            run_distributed(_rl, 1, args, timeout=400)
 
 
 def test_routing_replay_refuses_token_splits():

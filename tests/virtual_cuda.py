@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
+from megatron_klear import platform
 from megatron_klear.platform import STRICT_ENV
 from tests.dist import run_distributed
 
@@ -64,7 +65,7 @@ class VirtualCudaOps:
                                    f"got {t.device}")
 
     def logprob_stats(self, logits, target_local, valid, inv_temp):
-        self._on(torch.device("cuda", 0), "logits", logits)
+        self._on(platform.device(), "logits", logits)
         self._on(logits.device, "target_local", target_local)
         return self.emu.logprob_stats(logits, target_local, valid, inv_temp).to(logits.device)
 
@@ -82,7 +83,7 @@ class VirtualCudaOps:
         return self._backward("logprob_backward_", *args)
 
     def token_policy_loss(self, logp, old_logp, adv, entropy, old_entropy, *rest):
-        self._on(torch.device("cuda", 0), "logp", logp)
+        self._on(platform.device(), "logp", logp)
         self._on(logp.device, "old_logp, adv, entropy, old_entropy", old_logp, adv, entropy,
                  old_entropy)
         out = self.emu.token_policy_loss(logp, old_logp, adv, entropy, old_entropy, *rest)

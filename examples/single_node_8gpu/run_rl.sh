@@ -12,10 +12,13 @@ MODEL=$(model_or_config "${MODEL:-/ckpt/klear-8b/sft_hf}" "$HERE/../klear_8b/hf_
 DATA=${DATA:-/data/klear/math_rl.jsonl}
 OUT=${OUT:-/ckpt/klear-8b-1node}
 urls=${ROLLOUT_URLS:-}
+ENGINE_ARGS=()  # --use-routing-replay needs the engines' routed experts (docs/moe.md)
+[[ " $* " == *" --use-routing-replay "* ]] && ENGINE_ARGS+=(--enable-return-routed-experts)
 if [[ -z "$urls" && " $* " != *" --dry-run "* ]]; then
   for i in 0 1; do
     CUDA_VISIBLE_DEVICES=$((4 + 2 * i)),$((5 + 2 * i)) "$PYTHON" -m sglang.launch_server \
-      --model-path "$MODEL" --tp-size 2 --port $((30000 + i)) --mem-fraction-static 0.85 &
+      --model-path "$MODEL" --tp-size 2 --port $((30000 + i)) --mem-fraction-static 0.85 \
+      "${ENGINE_ARGS[@]}" &
     urls="$urls http://127.0.0.1:$((30000 + i))"
   done
   trap 'kill $(jobs -p) 2>/dev/null' EXIT

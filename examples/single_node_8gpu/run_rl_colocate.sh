@@ -14,12 +14,14 @@ DATA=${DATA:-/data/klear/math_rl.jsonl}
 OUT=${OUT:-/ckpt/klear-8b-1node-colocate}
 MEM_FRACTION=0.85  # SGLang's static pool (weights + KV) while the trainer is offloaded
 urls=""
+ENGINE_ARGS=()  # --use-routing-replay needs the engines' routed experts (docs/moe.md)
+[[ " $* " == *" --use-routing-replay "* ]] && ENGINE_ARGS+=(--enable-return-routed-experts)
 if [[ " $* " != *" --dry-run "* ]]; then
   for i in 0 1 2 3; do
     # --enable-memory-saver: release/resume through torch_memory_saver (CUDA-only)
     CUDA_VISIBLE_DEVICES=$((2 * i)),$((2 * i + 1)) "$PYTHON" -m sglang.launch_server \
       --model-path "$MODEL" --tp-size 2 --port $((30000 + i)) \
-      --mem-fraction-static "$MEM_FRACTION" --enable-memory-saver &
+      --mem-fraction-static "$MEM_FRACTION" --enable-memory-saver "${ENGINE_ARGS[@]}" &
     urls="$urls http://127.0.0.1:$((30000 + i))"
   done
   trap 'kill $(jobs -p) 2>/dev/null' EXIT

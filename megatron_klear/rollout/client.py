@@ -34,7 +34,8 @@ from typing import Any, AsyncIterator, Iterator
 import aiohttp
 import torch
 
-__all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError", "sample_seed"]
+__all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError",
+           "RoutedExpertsMissing", "sample_seed"]
 
 
 log = logging.getLogger("megatron_klear.rollout.client")
@@ -46,6 +47,11 @@ class RolloutError(RuntimeError):
 
 class _BadRequest(RolloutError):
     """HTTP 4xx: the request itself is wrong; retrying elsewhere would not help."""
+
+
+class RoutedExpertsMissing(RolloutError):
+    """Routing replay asked for the routed experts and a server returned none: the run stops
+    (training would silently route by the trainer's own top-k instead)."""
 
 
 class _Aborted(RolloutError):
@@ -205,7 +211,14 @@ class RolloutClient:
                 if not isinstance(out, list) or len(out) != len(chunk):
                     raise RolloutError(f"/generate answered a batch of {len(chunk)} prompts with "
                                        f"{len(out) if isinstance(out, list) else 1} outputs")
-                return [Generation.from_sglang(o) for o in out]
+                gens = [Generation.from_sglang(o) for o in out]
+                if params.return_routed_experts and any(g.routed_experts is None for g in gens):
+                    raise RoutedExpertsMissing(
+                        "--use-routing-replay: a rollout server answered without "
+                        "meta_info.routed_experts; SGLang returns them only when started with "
+                        "--enable-return-routed-experts (add it to the launch, as examples/* "
+                        "do under --use-routing-replay)")
+                return gens
 
             chunks = [items[i:i + size] for i in range(0, len(items), size)]
             gens = [g for part in await asyncio.gather(*(request(c) for c in chunks))

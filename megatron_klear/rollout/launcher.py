@@ -175,10 +175,15 @@ def launch_embedded_servers(model_dir: str | Path, num_servers: int = 1, *,
                             host: str = "127.0.0.1", base_port: int | None = None, seed: int = 0,
                             log_dir: str | Path | None = None, dtype: str = "float32",
                             load_format: str = "auto", num_threads: int = 1,
+                            return_routed_experts: bool = False,
                             startup_timeout_s: float = 120.0) -> RolloutServers:
     """Start ``num_servers`` embedded CPU servers (server i gets seed + i) and wait for /health.
 
-    They run with ``--enable-deterministic-inference``: seeded requests are reproducible.
+    They run with ``--enable-deterministic-inference``: seeded requests are reproducible;
+    with ``return_routed_experts`` (``--use-routing-replay``) also with
+    ``--enable-return-routed-experts``. Server i plays an engine on GPU i
+    (``CUDA_VISIBLE_DEVICES=i``, as :func:`launch_sglang_servers` places TP-1 engines): a
+    colocated trainer's tensor handles of another GPU are refused there, as SGLang refuses them.
     """
     if not (Path(model_dir) / "config.json").is_file():
         raise LaunchError(f"--model {model_dir}: no config.json; pass an HF Qwen3 directory")
@@ -187,8 +192,10 @@ def launch_embedded_servers(model_dir: str | Path, num_servers: int = 1, *,
                  "--host", host, "--port", str(port), "--seed", str(seed + i), "--dtype", dtype,
                  "--load-format", load_format, "--num-threads", str(num_threads),
                  "--enable-deterministic-inference"]
+                + (["--enable-return-routed-experts"] if return_routed_experts else [])
                 for i, port in enumerate(ports)]
-    envs = [server_env(OMP_NUM_THREADS=str(num_threads))] * num_servers
+    envs = [server_env(OMP_NUM_THREADS=str(num_threads), CUDA_VISIBLE_DEVICES=str(i))
+            for i in range(num_servers)]
     return _start(commands, [f"http://{host}:{p}" for p in ports], log_dir, startup_timeout_s,
                   envs)
 
@@ -228,8 +235,12 @@ def launch_sglang_servers(model_dir: str | Path, num_servers: int, *, tp: int = 
                           host: str = "127.0.0.1", base_port: int | None = None,
                           log_dir: str | Path | None = None, startup_timeout_s: float = 900.0,
                           extra_args: list[str] | None = None, python: str | None = None,
-                          env: dict[str, str] | None = None) -> RolloutServers:
+                          env: dict[str, str] | None = None,
+                          return_routed_experts: bool = False) -> RolloutServers:
     """Start SGLang servers (server i on GPUs [i*tp, (i+1)*tp)) and optionally the router.
+
+    ``return_routed_experts`` (``--use-routing-replay``): start them with
+    ``--enable-return-routed-experts``, without which SGLang returns no experts.
 
     ``urls`` are the servers' URLs (weight updates go to each server directly); with
     ``router=True`` the router runs too and ``router_url`` is where to send generations.
@@ -242,6 +253,8 @@ def launch_sglang_servers(model_dir: str | Path, num_servers: int, *, tp: int = 
         _require_module("sglang_router", "sglang-router")
     ports = [base_port + i if base_port else free_port(host) for i in range(num_servers)]
     urls = [f"http://{host}:{p}" for p in ports]
+    extra_args = list(extra_args or []) + (["--enable-return-routed-experts"]
+                                           if return_routed_experts else [])
     commands = [sglang_server_command(model_dir, p, host=host, tp=tp, mem_fraction=mem_fraction,
                                       context_length=context_length, yarn_factor=yarn_factor,
                                       extra_args=extra_args, python=python) for p in ports]

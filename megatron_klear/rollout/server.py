@@ -22,11 +22,26 @@ and a real torch.distributed group:
   torch multiprocessing handle, ``load_format`` null or ``"flattened_bucket"``; colocated
   mode, tensor_handles.py) is copied into the parameters.
 * colocation: ``/release_memory_occupation`` and ``/resume_memory_occupation`` with SGLang's
-  ``tags`` (``kv_cache``, ``weights``, ``cuda_graph``; none: all). Releasing ``weights``
-  frees the parameters; resumed, they hold NaN until the next update (SGLang's hold
-  whatever torch_memory_saver maps). There is no KV cache between batches here, so
-  ``kv_cache`` only marks the server unable to generate; ``cuda_graph`` is accepted and
-  has nothing to free on a CPU. While a tag is released, /generate is refused (400).
+  ``tags`` (``kv_cache``, ``weights``, ``cuda_graph``; none: all), kept as SGLang 0.5.23
+  keeps them with ``--enable-memory-saver``
+  (sglang/srt/managers/scheduler_components/weight_updater.py, ``release_memory_occupation``
+  / ``resume_memory_occupation``): releasing a tag that is released already (torch_memory_saver:
+  "Cannot pause allocation that is not active") or resuming one that is not released
+  (``offload_tags.remove`` raises in the scheduler) ENDS the server process, as the real
+  scheduler's failure ends SGLang. Releasing ``weights`` frees the parameters; resumed,
+  they hold NaN until the next update (SGLang's hold whatever torch_memory_saver maps).
+  There is no KV cache between batches here, so ``kv_cache`` only marks the server unable
+  to generate; ``cuda_graph`` has nothing to free on a CPU. While any tag is released,
+  /generate is refused (400). ``/server_info`` reports the released tags as
+  ``memory_released`` (SGLang keeps its ``offload_tags`` internal: a colocated trainer asks
+  this server, and assumes the launch scripts' state of a real one, train/colocate.py).
+* routed experts (MoE routing replay): returned only when the server was started with
+  ``--enable-return-routed-experts``; without it a request's ``return_routed_experts`` is
+  ignored, as SGLang 0.5.23 ignores it (sglang/srt/state_capturer/routed_experts.py).
+* tensor handles of (virtual) GPU memory: a handle names the device it was made on by UUID
+  (SGLang's ``monkey_patch_torch_reductions``); one for a GPU outside this server's
+  ``CUDA_VISIBLE_DEVICES`` is refused as SGLang refuses it ("Invalid device_uuid",
+  sglang/srt/utils/patch_torch.py).
 
 Bad requests get HTTP 400 with ``{"error": {"message": ...}}`` naming the field.
 Run: ``python -m megatron_klear.rollout.server --model DIR --port P``.
@@ -97,9 +112,10 @@ class RolloutServer:
     """State of one embedded server: generator, scheduler, pause flags, weight-update groups."""
 
     def __init__(self, generator: Generator, *, max_batch_seqs: int = 64,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, return_routed_experts: bool = False) -> None:
         self.gen = generator
         self.deterministic = deterministic
+        self.return_routed_experts = return_routed_experts  # --enable-return-routed-experts
         self.max_batch_seqs = max_batch_seqs
         self.weight_version = "default"
         self.pending: list[_Request] = []
@@ -180,7 +196,7 @@ class RolloutServer:
         """
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded server")
-        if self.released & {"kv_cache", "weights"}:
+        if self.released:
             raise RequestError(f"memory released (tags {sorted(self.released)}): POST "
                                "/resume_memory_occupation before generating")
         prompts, batched = self._prompts(body)
@@ -191,7 +207,8 @@ class RolloutServer:
         for prompt, cfg in zip(prompts, cfgs):
             self._check_prompt(prompt, cfg, start)
             seqs += self._sequences(prompt, cfg, want_input)
-        routed = bool(body.get("return_routed_experts"))
+        # SGLang ignores the field unless started with --enable-return-routed-experts
+        routed = bool(body.get("return_routed_experts")) and self.return_routed_experts
         if routed and not self.gen.moe_layers:
             raise RequestError("return_routed_experts: the served model has no MoE layers")
         for s in seqs:
@@ -300,6 +317,9 @@ class RolloutServer:
         return web.json_response({"model_path": self.gen.model_dir, "tp_size": 1, "pp_size": 1,
                                   "dp_size": 1, "device": self.gen.device.type,
                                   "enable_deterministic_inference": self.deterministic,
+                                  "enable_return_routed_experts": self.return_routed_experts,
+                                  "enable_memory_saver": True,
+                                  "memory_released": sorted(self.released),
                                   "version": "embedded", "weight_version": self.weight_version})
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
@@ -470,25 +490,31 @@ class RolloutServer:
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         """POST /release_memory_occupation {tags}: free the tagged memory. Only when idle
-        (a paused server's queued requests do not count), as SGLang asserts; a tag already
-        released is released again (nothing to do)."""
+        (a paused server's queued requests do not count), as SGLang asserts. A tag that is
+        released already ends the server (torch_memory_saver's pause of a paused region)."""
         tags = self._memory_tags(await _json_body(request))
         if self.running or (self.pending and self.resumed.is_set()):
             raise RequestError("release_memory_occupation should be called only when server "
                                "is idle.")
-        if "weights" in tags and not self.gen.weights_released:
+        again = [t for t in tags if t in self.released]
+        if again:
+            _end_engine(f"release_memory_occupation{again}: Cannot pause allocation that is "
+                        "not active (torch_memory_saver; the tags were released already)")
+        if "weights" in tags:
             async with self.update_lock:
                 await asyncio.to_thread(self.gen.release_weights)
         self.released.update(tags)
         return web.json_response(None)  # SGLang's handler returns nothing (JSON null)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        """POST /resume_memory_occupation {tags}: allocate the tagged memory again; a tag
-        that is not released is refused (SGLang's ``offload_tags.remove`` fails on it)."""
+        """POST /resume_memory_occupation {tags}: allocate the tagged memory again. A tag
+        that is not released ends the server (SGLang's ``offload_tags.remove`` raises
+        KeyError in the scheduler, whose failure ends the server)."""
         tags = self._memory_tags(await _json_body(request))
         missing = [t for t in tags if t not in self.released]
         if missing:
-            raise RequestError(f"tags {missing} are not released")
+            _end_engine(f"resume_memory_occupation: KeyError {missing} (the tags are not "
+                        "released; SGLang's scheduler fails on offload_tags.remove)")
         if "weights" in tags:
             async with self.update_lock:
                 await asyncio.to_thread(self.gen.resume_weights)
@@ -503,6 +529,15 @@ class RolloutServer:
             raise RequestError(f"group_name {name!r} unknown (known: {sorted(self.groups)})")
         group.close()
         return web.json_response({"success": True, "message": f"destroyed {name!r}"})
+
+
+def _end_engine(reason: str) -> None:
+    """End this server process at once, with no reply, as a failing SGLang scheduler ends
+    its server (sglang/srt/managers/scheduler.py ``run_scheduler_process``: the exception is
+    logged and the parent killed with SIGQUIT): the client sees the connection drop."""
+    log.error("engine ended: %s", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _named_list(obj: object) -> list[tuple[str, torch.Tensor]]:
@@ -581,6 +616,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling RNG seed (unseeded requests)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour sampling_params.sampling_seed, as SGLang does with this flag")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="answer return_routed_experts (MoE routing replay), as SGLang does only "
+                        "with this flag")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model computes (SGLang's flag; cuda: the GPU check's "
@@ -608,7 +646,8 @@ def _load_generator(args: argparse.Namespace) -> Generator:
 
 async def _serve(args: argparse.Namespace, generator: Generator) -> None:
     server = RolloutServer(generator, max_batch_seqs=args.max_batch_seqs,
-                           deterministic=args.enable_deterministic_inference)
+                           deterministic=args.enable_deterministic_inference,
+                           return_routed_experts=args.enable_return_routed_experts)
     runner = web.AppRunner(build_app(server), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

@@ -21,6 +21,15 @@ CPU tensors are shared with torch's ``file_system`` strategy (``rebuild_storage_
 also on SGLang's allow-list): the default ``file_descriptor`` strategy passes a descriptor
 through ``multiprocessing.resource_sharer``, which only a child process of the sender can
 collect (it authenticates with the parent's key); an engine is not the trainer's child.
+
+CUDA tensors are pickled with SGLang's device-UUID reduction applied on the sender
+(``monkey_patch_torch_reductions``, sglang/srt/utils/patch_torch.py): the handle names its
+GPU by UUID, not by this process's index, so an engine that numbers its GPUs otherwise
+(``CUDA_VISIBLE_DEVICES``) maps the right one, and one that does not see it refuses it
+("Invalid device_uuid"). A tensor of the strict virtual-CUDA mode (platform.py: host memory
+that plays a GPU) travels as its host handle wrapped in :func:`rebuild_virtual_cuda_tensor`
+with its virtual GPU's UUID, which the embedded server checks the same way (real SGLang
+never receives one: the strict mode runs against the embedded server only).
 """
 
 from __future__ import annotations
@@ -35,9 +44,12 @@ from typing import Iterator
 import torch
 import torch.multiprocessing as torch_mp
 from multiprocessing.reduction import ForkingPickler
+from torch.multiprocessing import reductions
+
+from megatron_klear import platform
 
 __all__ = ["FlattenedTensorMetadata", "serialize_bucket", "deserialize", "bucket_tensors",
-           "shared_buffer", "SGLANG_METADATA"]
+           "shared_buffer", "release_buffer", "rebuild_virtual_cuda_tensor", "SGLANG_METADATA"]
 
 # where SGLang 0.5.23 defines the metadata class (its SafeUnpickler allows this global)
 SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
@@ -56,14 +68,38 @@ class FlattenedTensorMetadata:
     numel: int
 
 
+_CUDA_DEVICE_ARG = 6  # rebuild_cuda_tensor's device index (SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX)
+
+
+def _reduce_tensor(t: torch.Tensor):
+    """torch's reduction of ``t`` with its GPU named by UUID (SGLang's
+    ``_reduce_tensor_modified``); a virtual-CUDA tensor as its host handle with its UUID."""
+    fn, args = reductions.reduce_tensor(t)
+    if fn is reductions.rebuild_cuda_tensor:
+        args = (*args[:_CUDA_DEVICE_ARG], platform.gpu_uuid(args[_CUDA_DEVICE_ARG]),
+                *args[_CUDA_DEVICE_ARG + 1:])
+    elif platform.is_virtual_cuda(t):
+        return rebuild_virtual_cuda_tensor, (platform.gpu_uuid(t.device.index), fn, args)
+    return fn, args
+
+
+def rebuild_virtual_cuda_tensor(uuid: str, fn, args) -> torch.Tensor:
+    """The receiver's side of a virtual-CUDA handle: refused, as SGLang's
+    ``_device_from_maybe_uuid`` refuses it, when this process does not see the GPU ``uuid``
+    (its ``CUDA_VISIBLE_DEVICES``); else the host tensor."""
+    platform.gpu_index_of_uuid(uuid)
+    return fn(*args)
+
+
 class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
-    """``ForkingPickler`` (torch's tensor reductions) that writes
+    """``ForkingPickler`` (torch's tensor reductions, the GPU named by UUID) that writes
     :class:`FlattenedTensorMetadata` as SGLang's class."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.dispatch_table = ForkingPickler._copyreg_dispatch_table.copy()
         self.dispatch_table.update(ForkingPickler._extra_reducers)
+        self.dispatch_table[torch.Tensor] = _reduce_tensor
 
     def save_global(self, obj, name=None):  # noqa: D102
         if obj is FlattenedTensorMetadata:
@@ -87,19 +123,28 @@ def _file_system_sharing() -> Iterator[None]:
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 buffer whose handle can be passed to another process, for as long as this
-    process holds it. CPU: in shared memory (``file_system``) with one reference kept by this
-    process: torch unlinks a shared-memory file when its count drops to zero, which happens
-    as soon as a receiver drops the tensors of the first payload (measured: a second payload
-    of the same buffer then fails with ``No such file or directory``); torch_shm_manager
-    unlinks it when this process exits. CUDA: a plain allocation (CUDA IPC keeps the block
-    alive while a receiver maps it)."""
+    """A uint8 buffer whose handle can be passed to another process, until
+    :func:`release_buffer`. Host memory (a CPU trainer, or the strict mode's virtual GPU): in
+    shared memory (``file_system``) with one reference kept by this process: torch unlinks a
+    shared-memory file when its count drops to zero, which happens as soon as a receiver drops
+    the tensors of the first payload (measured: a second payload of the same buffer then
+    fails with ``No such file or directory``). CUDA: a plain allocation (CUDA IPC keeps the
+    block alive while a receiver maps it)."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    if buf.device.type == "cpu":
+    if buf.untyped_storage().device.type == "cpu":
         with _file_system_sharing():
-            buf.share_memory_()
+            platform.share_memory(buf)
         buf.untyped_storage()._shared_incref()
     return buf
+
+
+def release_buffer(buf: torch.Tensor) -> None:
+    """Give up this process's extra reference of a :func:`shared_buffer` (its shared-memory
+    file goes when the last tensor does). On CUDA nothing: dropping the tensor hands the block
+    to torch's IPC limbo, which frees it only once every receiver has released it, after the
+    receiver's stream synchronize (torch/csrc/StorageSharing.cpp)."""
+    if buf.untyped_storage().device.type == "cpu":
+        buf.untyped_storage()._shared_decref()
 
 
 def serialize_bucket(flat: torch.Tensor, specs: list[tuple[str, tuple, torch.dtype, int]]
@@ -131,7 +176,8 @@ class _Unpickler(pickle.Unpickler):
         ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"), ("torch", "Size"),
         ("torch", "Tensor"), ("torch", "device"), ("torch", "dtype"), ("copyreg", "__newobj__"),
         ("copyreg", "_reconstructor"), ("builtins", "object"), ("collections", "OrderedDict"),
-        ("multiprocessing.resource_sharer", "DupFd"), ("torch._tensor", "_rebuild_from_type_v2")}
+        ("multiprocessing.resource_sharer", "DupFd"), ("torch._tensor", "_rebuild_from_type_v2"),
+        (__name__, "rebuild_virtual_cuda_tensor")}  # the strict mode's handles (module doc)
 
     def find_class(self, module: str, name: str):  # noqa: D102
         if (module, name) == SGLANG_METADATA:

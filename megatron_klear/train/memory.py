@@ -406,12 +406,16 @@ class ColocatedPlan:
     each phase is made of. ``training``: the trainer's plan with the engines released;
     ``sync``: the trainer's parameters, the engines' resumed weights and two staging
     buckets; ``rollout``: SGLang's static pool (``--sglang-mem-fraction-static`` of the GPU:
-    its weights, then its KV cache) with the trainer offloaded."""
+    its weights, then its KV cache) with the trainer offloaded; ``save``: a checkpoint save
+    or the run's end (HF export), the trainer's parameters, gradients and optimizer state
+    back on the device beside the engines' weights, their KV cache released
+    (train/colocate.py ``trainer_resident``, ``close``)."""
 
     gpu: int
     training: int
     sync: int
     rollout: int
+    save: int
     engine_weights: int  # per GPU: bf16 weights / --sglang-tp-size
     kv_bytes_per_token: int  # per GPU
     kv_pool: int  # what the static pool leaves the KV cache
@@ -425,7 +429,7 @@ class ColocatedPlan:
     def problems(self) -> list[str]:
         """What does not fit, phase by phase (empty: every phase fits)."""
         out = []
-        for name in ("training", "sync", "rollout"):
+        for name in ("training", "sync", "rollout", "save"):
             if getattr(self, name) > self.gpu:
                 out.append(f"the {name} phase needs {getattr(self, name) / GiB:.1f} GiB of "
                            f"{self.gpu / GiB:.0f}")
@@ -439,7 +443,7 @@ class ColocatedPlan:
         """GiB per phase and component (the dry run's ``colocated`` report)."""
         gib = lambda n: round(n / GiB, 2)  # noqa: E731
         return {"training_gib": gib(self.training), "sync_gib": gib(self.sync),
-                "rollout_gib": gib(self.rollout), "engine_weights_gib": gib(self.engine_weights),
+                "rollout_gib": gib(self.rollout), "save_gib": gib(self.save), "engine_weights_gib": gib(self.engine_weights),
                 "kv_pool_gib": gib(self.kv_pool), "kv_sequences": round(self.kv_sequences, 1),
                 "residual_gib_per_side": COLOCATE_RESIDUAL_GIB, "fits": not self.problems()}
 
@@ -469,7 +473,9 @@ def plan_colocated(arch, cfg, trainer: MemoryPlan, sequence_tokens: int, *,
     return ColocatedPlan(
         gpu=gpu, training=trainer.total + residual,
         sync=trainer.peak.params + weights + 2 * bucket + residual,
-        rollout=pool + residual, engine_weights=weights, kv_bytes_per_token=kv_token,
+        rollout=pool + residual,
+        save=trainer.peak.params + trainer.peak.grads + trainer.peak.optimizer + weights + residual,
+        engine_weights=weights, kv_bytes_per_token=kv_token,
         kv_pool=pool - weights, sequence_tokens=sequence_tokens)
 
 

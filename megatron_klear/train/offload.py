@@ -1,8 +1,10 @@
 """Trainer offload for colocated mode: parameters, gradients and optimizer state to host
 memory while the rollout engines use the GPU, and back for the training step.
 
-What moves is every storage that holds them, found once from the model chunks and the
-optimizer: megatron DDP's ``param_data``/``grad_data`` buffers (every parameter and
+What moves is every storage that holds them, found again at every offload from the model
+chunks and the optimizer as they are then (an optimizer may create its state inside
+``step()``: Transformer Engine's FusedAdam, megatron's pick when TE is installed, makes its
+Adam moments lazily at the first step, so storages found before it would miss them): megatron DDP's ``param_data``/``grad_data`` buffers (every parameter and
 ``main_grad`` is a view of one), the optimizer's main parameters (the distributed
 optimizer's fp32 shards included) and their gradients, and every tensor of the optimizer
 state (Adam's moments, step counters). A storage is copied whole into a host buffer (pinned on
@@ -69,19 +71,29 @@ class TrainerOffload:
 
     def __init__(self, model_chunks: list[torch.nn.Module], optimizer) -> None:
         self.device = platform.device()
-        params = {p.untyped_storage()._cdata for c in model_chunks for p in c.parameters()}
-        seen: set[int] = set()
+        self.model_chunks, self.optimizer = model_chunks, optimizer
         self.storages: dict[str, list[torch.UntypedStorage]] = {g: [] for g in GROUPS}
         self._views: dict[int, torch.Tensor] = {}  # per storage: a tensor viewing it
-        for t in trainer_tensors(model_chunks, optimizer):
+        self._host: dict[str, list[torch.Tensor]] = {}  # per offloaded group
+        self._scan()
+
+    def _scan(self) -> None:
+        """Find the device storages of every group still on the device, as the trainer's
+        state is now (the optimizer's state included, however late it was made)."""
+        params = {p.untyped_storage()._cdata for c in self.model_chunks for p in c.parameters()}
+        views = {s._cdata: self._views[s._cdata] for g in self._host for s in self.storages[g]}
+        found: dict[str, list[torch.UntypedStorage]] = {g: [] for g in GROUPS}
+        for t in trainer_tensors(self.model_chunks, self.optimizer):
             storage = t.untyped_storage()
             key = storage._cdata  # the StorageImpl: one per storage, whatever views it
-            if key in seen or storage.nbytes() == 0 or t.device.type != self.device.type:
+            if key in views or storage.nbytes() == 0 or t.device.type != self.device.type:
                 continue
-            seen.add(key)
-            self.storages["params" if key in params else "state"].append(storage)
-            self._views[key] = t.detach()
-        self._host: dict[str, list[torch.Tensor]] = {}  # per offloaded group
+            found["params" if key in params else "state"].append(storage)
+            views[key] = t.detach()
+        self._views = views  # no view keeps a storage the trainer dropped alive
+        for g in GROUPS:
+            if g not in self._host:
+                self.storages[g] = found[g]
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +114,7 @@ class TrainerOffload:
             raise RuntimeError(f"offload({group!r}): expected one of {GROUPS} still on the "
                                f"device (offloaded now: {sorted(self._host)})")
         start = time.perf_counter()
+        self._scan()
         pin = torch.cuda.is_available()  # pinned host memory needs a CUDA driver (or the
         # strict virtual-CUDA mode's emulation, platform.py)
         for g in groups:

@@ -4,7 +4,11 @@ Its weights are a CPU copy of this rank's shards of the model (same TP/PP layout
 from ``--ref-load`` (a Megatron checkpoint or a Hugging Face dir; default ``--hf-checkpoint``).
 For the reference forward they are swapped into the engine's own model chunks and the policy's
 weights are put back afterwards bit for bit, so the reference costs no second model on the
-device, only one host copy of the weights and two host<->device copies per RL step.
+device, only host memory for the weights and two host<->device copies per RL step. Both host
+copies (the reference's weights, and the policy's while the reference is swapped in) are
+allocated once, pinned where CUDA is (a copy between the GPU and pageable memory is staged
+by the driver and blocks): a step reuses them instead of allocating a model's worth of host
+memory.
 """
 
 from __future__ import annotations
@@ -29,13 +33,23 @@ class ReferencePolicy:
 
     def __init__(self, engine, source: str) -> None:
         self.engine = engine
-        policy = self._host_copy()
+        self._policy = self._host_buffers()  # the policy's weights while swapped out
+        self._store(self._policy)
         self._load(source)
-        self.weights = self._host_copy()
-        self._copy_in(policy)
+        self.weights = self._host_buffers()
+        self._store(self.weights)
+        self._copy_in(self._policy)
 
-    def _host_copy(self) -> list[torch.Tensor]:
-        return [p.detach().to("cpu", copy=True) for p in _params(self.engine)]
+    def _host_buffers(self) -> list[torch.Tensor]:
+        """One host tensor per parameter (pinned where CUDA is), allocated once."""
+        pin = torch.cuda.is_available()
+        return [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                for p in _params(self.engine)]
+
+    def _store(self, out: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for h, p in zip(out, _params(self.engine)):
+                h.copy_(p.detach())
 
     def _copy_in(self, weights: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -56,9 +70,9 @@ class ReferencePolicy:
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The engine's model holds the reference weights inside the block."""
-        policy = self._host_copy()
+        self._store(self._policy)
         self._copy_in(self.weights)
         try:
             yield
         finally:
-            self._copy_in(policy)
+            self._copy_in(self._policy)

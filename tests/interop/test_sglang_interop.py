@@ -164,13 +164,23 @@ def test_tensor_handles_and_release_resume_on_real_sglang(servers, sglang_model)
 
 
 def test_klear_rl_colocated_on_real_sglang(servers, sglang_model, prompts, tmp_path):
-    """klear-rl --colocate (TP=2) against a real SGLang server: every step's hand-over
-    (release, resume) and the tensor-handle sync go to SGLang; the probe is below 1e-3."""
-    args = _rl_args(sglang_model, prompts, tmp_path / "ck", servers.urls[1:2], 2,
+    """klear-rl --colocate (TP=2) against a real SGLang server released as the launch script
+    releases it: every step's hand-over (release, resume, each tag only in the state SGLang
+    accepts) and the tensor-handle sync go to SGLang; the probe is below 1e-3."""
+    from tests.test_weight_sync import _post
+
+    url = servers.urls[1]
+    # as run_rl_colocate.sh hands engines over: released (SGLang cannot be asked, colocate.py)
+    assert _post(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}) == \
+        (200, None)
+    args = _rl_args(sglang_model, prompts, tmp_path / "ck", [url], 2,
                     "--tensor-model-parallel-size", "2", "--colocate")
     hist = run_distributed(_rl_train, 2, args, timeout=600)[0]
     _check_run(hist, 2)
     assert all(m["colocate/offloaded_bytes"] > 0 for m in hist)
+    # the run ends with the KV cache released (Colocation.close); the module's later tests
+    # generate on this server: a resume of a released tag is SGLang's rule too
+    assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]}) == (200, None)
 
 
 def test_server_with_tp_size_2(sglang_model, prompts, tmp_path, servers):
