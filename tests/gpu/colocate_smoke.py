@@ -110,7 +110,7 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
     ``klear-rl --colocate`` for two steps in bf16: {"ok", "numbers", "history"}."""
     from megatron_klear.config import parse_config
     from megatron_klear.rollout.client import RolloutClient
-    from megatron_klear.rollout.weight_sync import PROBE_METRIC
+    from megatron_klear.rollout.probe import PROBE_METRIC
     from megatron_klear.train.rl import RLConfig, train
 
     client, tags = RolloutClient(urls), {"tags": ["kv_cache", "weights"]}
