@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_klear.data.microbatches import pad_microbatches
 from megatron_klear.data.prompts import PromptSample
 from megatron_klear.models.tiny import build_tokenizer
 from megatron_klear.rewards.sandbox import SandboxLimits
@@ -16,6 +17,7 @@ from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError
     generate_tool_turns, tool_response_ids
 from megatron_klear.rollout.pipeline import RolloutContext, score_samples
 from megatron_klear.rollout.tools import PYTHON_SCHEMA, python_tool
+from megatron_klear.train.rl_data import RolloutBatch, rollout_stats
 
 TEMPLATE = Path(__file__).parent / "data" / "qwen3_like_tool_chat_template.jinja"
 PLAIN = Path(__file__).parent / "data" / "qwen3_like_chat_template.jinja"
@@ -116,6 +118,12 @@ def test_three_turn_trajectory_is_the_template_rendering_of_the_conversation():
     assert t.tool_outputs == ["42\n", "2\n", "1024\n"]
     assert s.response_text == t.answer and t.answer.endswith("\\boxed{42}.")
     assert score_samples(_ctx(tok, engine), [s])[0].reward == 1.0   # math on the final answer
+    # the trainer's labels: loss on exactly the model's tokens, their rollout log-probs
+    batch = RolloutBatch.from_samples([s], 1, 1.0, {})
+    (mb,) = pad_microbatches(batch, [0], 1, 0, len(want) - 1)
+    assert mb["loss_mask"][0].tolist() == [float(m) for m in mask[1:]]
+    assert mb["rollout_logprobs"][0].tolist() == pytest.approx(
+        [0.0] * (len(s.prompt_ids) - 1) + s.rollout_logprobs)
 
 
 def test_hostile_calls_are_answered_with_errors_and_the_rollout_goes_on():
@@ -156,6 +164,9 @@ def test_limits_end_the_trajectory_with_their_reason(limit, reason, turns_taken)
     assert all(len(x.response_ids) < 2000 for x in samples)
     key = "turn_limit_hits" if reason == "max_turns" else "token_limit_hits"
     assert ctx.stats[f"multi_turn/{key}"] == 2
+    means = rollout_stats(ctx, samples, 1, 0, 1)     # the dashboard's per-trajectory means
+    assert means[f"multi_turn/{key}"] == 1.0 and "multi_turn/samples" not in means
+    assert means["multi_turn/tool_calls"] == turns_taken - (reason == "max_turns")
 
 
 def test_a_turn_cut_by_the_token_limit_ends_with_length():
