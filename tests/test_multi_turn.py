@@ -187,3 +187,35 @@ def test_a_template_without_tool_support_is_refused_by_name():
                              "<|im_end|>", None)
     assert tok.decode(good) == "\n<|im_start|>user\n<tool_response>\n1\n</tool_response>" \
         "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tools_flags_and_collect_batch_with_tools():
+    """--tools builds the MultiTurnConfig (bad entries refused by flag); collect_batch with it
+    generates multi-turn samples, scores their final answers and keeps their loss masks."""
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.train.rl_config import RLConfig
+    from megatron_klear.train.rl_data import PromptStream, collect_batch
+
+    required = ["--hf-checkpoint", "x", "--prompt-data", "x"]
+    cfg = parse_config(RLConfig, required + ["--tools", "python", "tests.test_tools:add",
+                                             "--max-turns", "3", "--tool-timeout", "2"])
+    mt = cfg.multi_turn_config()
+    assert sorted(mt.tools) == ["add", "python"] and mt.max_turns == 3 and mt.tool_wall_s == 2
+    assert parse_config(RLConfig, required).multi_turn_config() is None
+    for extra, msg in [(["--tools", "nope:fn"], "--tools nope:fn"),
+                       (["--tools", "tests.test_tools:not_a_tool"], "schema"),
+                       (["--tools", "python", "python"], "two tools are named 'python'"),
+                       (["--tools", "python", "--tool-parser", "nope"], "--tool-parser"),
+                       (["--tools", "python", "--max-turns", "0"], "--max-turns")]:
+        with pytest.raises(ConfigError, match=msg):
+            parse_config(RLConfig, required + extra)
+    tok = _tokenizer()
+    engine = ScriptedEngine(tok, {"Q": [call("print(3)") + "<|im_end|>",
+                                       "It is \\boxed{3}.<|im_end|>"]})
+    prompts = [PromptSample(0, [{"role": "user", "content": "Q"}], "3")]
+    batch = collect_batch(engine, tok, PromptStream(prompts, 0), 1,
+                          SamplingParams(n=2, max_new_tokens=400), "math",
+                          dynamic_sampling=False, multi_turn=mt)
+    assert batch.rewards == [1.0, 1.0] and len(batch.loss_masks) == 2
+    assert all(0 < sum(m) < len(m) for m in batch.loss_masks)
+    assert batch.stats["multi_turn/tool_calls"] == 1.0 and batch.stats["multi_turn/turns"] == 2
