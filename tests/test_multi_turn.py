@@ -162,6 +162,7 @@ def test_limits_end_the_trajectory_with_their_reason(limit, reason, turns_taken)
     assert [x.trajectory.stop_reason for x in samples] == [reason] * 2
     assert [len(x.trajectory.turn_spans) for x in samples] == [turns_taken] * 2
     assert all(len(x.response_ids) < 2000 for x in samples)
+    assert [x.truncated for x in samples] == [reason == "max_response_tokens"] * 2
     key = "turn_limit_hits" if reason == "max_turns" else "token_limit_hits"
     assert ctx.stats[f"multi_turn/{key}"] == 2
     means = rollout_stats(ctx, samples, 1, 0, 1)     # the dashboard's per-trajectory means

@@ -221,6 +221,7 @@ def _answer_calls(ctx: RolloutContext, cfg: MultiTurnConfig, rollouts: list[_Rol
         traj.messages += msgs
         if len(s.response_ids) + len(glue) >= cfg.max_response_tokens:
             traj.stop_reason = "max_response_tokens"
+            s.finish_reason = "length"   # cut without an answer: truncated, as a long turn
             continue
         s.response_ids += glue
         s.rollout_logprobs += [0.0] * len(glue)
