@@ -220,3 +220,37 @@ def test_tools_flags_and_collect_batch_with_tools():
     assert batch.rewards == [1.0, 1.0] and len(batch.loss_masks) == 2
     assert all(0 < sum(m) < len(m) for m in batch.loss_masks)
     assert batch.stats["multi_turn/tool_calls"] == 1.0 and batch.stats["multi_turn/turns"] == 2
+
+
+def test_prompts_with_their_own_tools_and_fixed_arguments(tmp_path):
+    """verl's multi-turn layout: a prompt's ``tools`` subset goes into its system block, a
+    call of another tool is unknown to it, and ``extra_info.tools_kwargs`` (create_kwargs)
+    fixes arguments the model cannot override."""
+    import json
+
+    from megatron_klear.data.prompts import DataError, load_prompt_dataset
+    from megatron_klear.rollout.tools import load_tool
+
+    rec = {"prompt": [{"role": "user", "content": "Q"}], "reward_model": {"ground_truth": "3"},
+           "tools": ["add"], "extra_info": {"tools_kwargs": {"add": {"create_kwargs": {"b": 1}}}}}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    (p,) = load_prompt_dataset(path, answer_key="reward_model.ground_truth")
+    assert p.meta["tools"] == ["add"] and p.meta["tools_kwargs"] == {"add": {"b": 1}}
+    tok = _tokenizer()
+    add = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 100}}\n</tool_call>'
+    engine = ScriptedEngine(tok, {"Q": [add + "\n" + call("print(1)") + "<|im_end|>",
+                                       "\\boxed{3}<|im_end|>"]})
+    ctx = _ctx(tok, engine)
+    ctx.multi_turn.tools["add"] = load_tool("tests.test_tools:add")
+    (s,) = generate_tool_turns(ctx, [p], [0])
+    assert '"name": "add"' in s.prompt_text and '"name": "python"' not in s.prompt_text
+    assert s.trajectory.tool_outputs[0] == "3"             # 2 + the prompt's fixed b = 1
+    assert "unknown tool 'python'; the tools are add" in s.trajectory.tool_outputs[1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rec, "tools": "add"}) + "\n")
+    with pytest.raises(DataError, match="bad.jsonl:1: field 'tools' must be a list"):
+        load_prompt_dataset(bad, answer_key="reward_model.ground_truth")
+    p.meta["tools"] = ["search"]
+    with pytest.raises(ValueError, match=r"p.jsonl:1: the prompt lists tools \['search'\]"):
+        generate_tool_turns(ctx, [p], [0])

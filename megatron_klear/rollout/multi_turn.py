@@ -19,7 +19,9 @@ Per prompt, ``n`` trajectories run turn by turn, all active ones batched per tur
 The sample's ``response_ids`` hold exactly the sampled ids with their rollout log-probs
 (``loss_mask`` 1) and, between turns, the tool responses and template glue (``loss_mask``
 0, log-prob 0). Nothing sampled is decoded and re-encoded. Per-tool limits: wall time
-``tool_wall_s`` and ``max_tool_response_tokens`` tokens per tool response.
+``tool_wall_s`` and ``max_tool_response_tokens`` tokens per tool response. A prompt may
+restrict its tools and fix some of their arguments (``meta["tools"]``,
+``meta["tools_kwargs"]``: data/prompts.py ``tool_fields``).
 """
 
 from __future__ import annotations
@@ -62,9 +64,18 @@ class MultiTurnConfig:
     tool_output_chars: int = 16384       # cut before tokenizing
     tool_workers: int = 4                # calls run at once
 
-    def schemas(self) -> list[dict] | None:
-        """The tools' JSON schemas for the chat template (None without tools)."""
-        return [t.schema for t in self.tools.values()] or None
+    def prompt_tools(self, prompt: PromptSample) -> dict[str, Tool]:
+        """The tools ``prompt`` may call: its ``meta["tools"]`` names (data/prompts.py
+        ``tool_fields``), or all; ValueError names a prompt listing an unknown tool."""
+        names = prompt.meta.get("tools")
+        if names is None:
+            return self.tools
+        unknown = [n for n in names if n not in self.tools]
+        if unknown:
+            where = f"{prompt.meta.get('file', 'prompt')}:{prompt.meta.get('line', prompt.index)}"
+            raise ValueError(f"{where}: the prompt lists tools {unknown} that --tools does not "
+                             f"give (given: {sorted(self.tools)})")
+        return {n: self.tools[n] for n in names}
 
 
 @dataclass
@@ -162,8 +173,19 @@ class _Rollout:
     sample: Sample
     seed: int                       # its prompt's seed
     j: int                          # its index among the prompt's n samples
+    tools: dict[str, Tool] = field(default_factory=dict)  # what its prompt may call
+    tools_kwargs: dict[str, dict] = field(default_factory=dict)  # the prompt's fixed arguments
     calls: list[ToolCall] = field(default_factory=list)   # to run after this turn
     sampled_end: str = ""
+
+    def schemas(self) -> list[dict] | None:
+        """The JSON schemas of its tools for the chat template (None without tools)."""
+        return [t.schema for t in self.tools.values()] or None
+
+    def call(self, c: ToolCall) -> ToolCall:
+        """``c`` with its prompt's fixed arguments for the tool (they win over the model's)."""
+        fixed = self.tools_kwargs.get(c.name)
+        return c if c.error or not fixed else ToolCall(c.name, {**c.arguments, **fixed})
 
 
 def _take_turn(ctx: RolloutContext, cfg: MultiTurnConfig, r: _Rollout, gen: Any,
@@ -205,8 +227,8 @@ def _answer_calls(ctx: RolloutContext, cfg: MultiTurnConfig, rollouts: list[_Rol
                   pool: ThreadPoolExecutor) -> list[_Rollout]:
     """Run the calls of every rollout, append their responses; the rollouts that go on."""
     t0 = time.time()
-    futures = [[pool.submit(run_tool_call, c, cfg.tools, cfg.tool_wall_s, cfg.tool_output_chars)
-                for c in r.calls] for r in rollouts]
+    futures = [[pool.submit(run_tool_call, r.call(c), r.tools, cfg.tool_wall_s,
+                            cfg.tool_output_chars) for c in r.calls] for r in rollouts]
     results = [[f.result() for f in fs] for fs in futures]
     ctx.add_stat("time/tools_s", time.time() - t0)
     going = []
@@ -217,7 +239,7 @@ def _answer_calls(ctx: RolloutContext, cfg: MultiTurnConfig, rollouts: list[_Rol
         traj.tool_errors += sum(x.error for x in res)
         traj.tool_outputs += [m["content"] for m in msgs]
         glue = tool_response_ids(ctx.tokenizer, traj.messages, msgs, r.sampled_end,
-                                 cfg.schemas())
+                                 r.schemas())
         traj.messages += msgs
         if len(s.response_ids) + len(glue) >= cfg.max_response_tokens:
             traj.stop_reason = "max_response_tokens"
@@ -252,16 +274,18 @@ def generate_tool_turns(ctx: RolloutContext, prompts: Sequence[PromptSample],
     if cfg is None:
         raise ValueError("the multi_turn generate stage needs tools: set "
                          "RolloutContext.multi_turn (klear-rl: --tools)")
-    tok, schemas, n = ctx.tokenizer, cfg.schemas(), ctx.params.n
-    turn_end = _turn_end_text(tok, schemas)
+    tok, n = ctx.tokenizer, ctx.params.n
+    turn_end = _turn_end_text(tok, [t.schema for t in cfg.tools.values()] or None)
     rollouts = []
     for i, (p, seed) in enumerate(zip(prompts, seeds)):
-        text = _render(tok, p.messages, schemas, True)
+        tools = cfg.prompt_tools(p)
+        text = _render(tok, p.messages, [t.schema for t in tools.values()] or None, True)
         ids = limit_prompt(_encode(tok, text), p, ctx.prompt_limit)
         rollouts += [_Rollout(Sample(ids, [], [], [], "", p.index, i, label=p.label,
                                      prompt_text=text,
                                      trajectory=Trajectory([dict(m) for m in p.messages])),
-                              seed, j) for j in range(n)]
+                              seed, j, tools, dict(p.meta.get("tools_kwargs") or {}))
+                     for j in range(n)]
     active = list(rollouts)
     with ThreadPoolExecutor(cfg.tool_workers, thread_name_prefix="tools") as pool:
         for turn in range(cfg.max_turns):
