@@ -51,6 +51,14 @@ class ScriptedEngine:
         return out
 
 
+def score_with_tool_errors(ctx, samples):
+    """A user score stage by import path that sees whole trajectories: the math reward of
+    the final answer, minus 0.25 per failed tool call."""
+    for s in score_samples(ctx, samples):
+        s.reward -= 0.25 * s.trajectory.tool_errors
+    return samples
+
+
 def _tokenizer(template=TEMPLATE):
     tok = build_tokenizer()
     tok.chat_template = template.read_text()
@@ -220,6 +228,14 @@ def test_tools_flags_and_collect_batch_with_tools():
     assert batch.rewards == [1.0, 1.0] and len(batch.loss_masks) == 2
     assert all(0 < sum(m) < len(m) for m in batch.loss_masks)
     assert batch.stats["multi_turn/tool_calls"] == 1.0 and batch.stats["multi_turn/turns"] == 2
+    # rewards that see the trajectory: a score stage reading Sample.trajectory
+    engine = ScriptedEngine(tok, {"Q": ['<tool_call>\n{"name": "nope"}\n</tool_call><|im_end|>',
+                                       "It is \\boxed{3}.<|im_end|>"]})
+    batch = collect_batch(engine, tok, PromptStream(prompts, 0), 1,
+                          SamplingParams(n=2, max_new_tokens=400), "math",
+                          dynamic_sampling=False, multi_turn=mt,
+                          stages=["score=tests.test_multi_turn:score_with_tool_errors"])
+    assert batch.rewards == [0.75, 0.75]
 
 
 def test_prompts_with_their_own_tools_and_fixed_arguments(tmp_path):
