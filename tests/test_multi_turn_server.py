@@ -48,22 +48,28 @@ class RecordingClient(RolloutClient):
         return reply
 
 
-def test_ids_and_logprobs_are_the_engines_over_several_turns(tmp_path):
-    model_dir = save_tiny_hf_model(tmp_path / "tiny", seed=3, std=0.2,
-                                   max_position_embeddings=2048)
+def long_context_model(out_dir):
+    """The tiny Qwen3 with 2048 positions (the tools' system block is long in characters)."""
+    return save_tiny_hf_model(out_dir, seed=3, std=0.2, max_position_embeddings=2048)
+
+
+def check_engine_trajectories(model_dir, urls, temperature: float, atol: float) -> None:
+    """Multi-turn rollouts of 2 prompts x 2 samples on the servers at ``urls``: every turn's
+    ids and log-probs are the server's reply bit for bit, each request carried the Sample's
+    exact ids, the mask is the sampled turns, and transformers agrees within ``atol``."""
     model, tok = load_reference(model_dir)
     tok.chat_template = TEMPLATE.read_text()
     stops = [i for i in range(len(tok)) if i % 4 == 0]   # turns end after a few tokens
-    params = SamplingParams(n=2, max_new_tokens=16, temperature=0.9, stop_token_ids=stops)
+    params = SamplingParams(n=2, max_new_tokens=16, temperature=temperature,
+                            stop_token_ids=stops)
     cfg = MultiTurnConfig({"count": load_tool(f"{HERE}:count")},
                           parser=get_tool_parser(f"{HERE}:every_turn_calls"), max_turns=3,
                           max_response_tokens=400)
     prompts = [PromptSample(i, [{"role": "user", "content": q}], None)
                for i, q in enumerate(["What is 6*7?", "Sort [3, 1, 2]."])]
-    with launch_embedded_servers(model_dir, 1, log_dir=tmp_path / "logs") as servers:
-        client = RecordingClient(servers.urls)
-        ctx = RolloutContext(client, tok, params, "math", 1.0, multi_turn=cfg)
-        samples = generate_tool_turns(ctx, prompts, [5, 6])
+    client = RecordingClient(urls)
+    samples = generate_tool_turns(RolloutContext(client, tok, params, "math", 1.0,
+                                                 multi_turn=cfg), prompts, [5, 6])
     assert len(samples) == 4 and len(client.exchanges) == sum(
         len(s.trajectory.turn_spans) for s in samples)
     assert sum(len(s.trajectory.turn_spans) for s in samples) >= 8    # several turns each
@@ -82,10 +88,16 @@ def test_ids_and_logprobs_are_the_engines_over_several_turns(tmp_path):
                         for k in range(len(mask))]
         assert 0 < sum(mask) < len(mask) and all(
             lp == 0.0 for lp, m in zip(s.rollout_logprobs, mask) if not m)
-        ref = reference_logprobs(model, s.prompt_ids + s.response_ids, 0.9)[
+        ref = reference_logprobs(model, s.prompt_ids + s.response_ids, temperature)[
             len(s.prompt_ids) - 1:]
         own = torch.tensor([m == 1 for m in mask])
-        torch.testing.assert_close(torch.tensor(s.rollout_logprobs)[own], ref[own], atol=1e-4,
-                                   rtol=0)
+        torch.testing.assert_close(torch.tensor(s.rollout_logprobs)[own], ref[own].float(),
+                                   atol=atol, rtol=0)
         assert "<tool_response>" in tok.decode(s.response_ids)
     assert not left
+
+
+def test_ids_and_logprobs_are_the_engines_over_several_turns(tmp_path):
+    model_dir = long_context_model(tmp_path / "tiny")
+    with launch_embedded_servers(model_dir, 1, log_dir=tmp_path / "logs") as servers:
+        check_engine_trajectories(model_dir, servers.urls, 0.9, 1e-4)
