@@ -104,7 +104,8 @@ def test_python_tool_runs_code_and_contains_hostile_programs():
     assert "[timed out after 2 s]" in run("while True:\n    pass\n").text
     huge = run("print('z' * 10_000_000)").text
     assert "[output cut at 4096 bytes]" in huge and len(huge) < 5000
-    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    bomb = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+            "        pass\n")
     assert "[timed out" in run(bomb).text
     assert "no network" in run("import socket\ntry:\n    socket.create_connection(("
                                   "'1.1.1.1', 80), timeout=1)\nexcept OSError as e:\n"

@@ -121,8 +121,9 @@ def annotate_aggregation(mbs: list[dict]) -> None:
 def aggregation_totals(batch: RolloutRows, rows: Sequence[int],
                        mini_sequences: int | None = None) -> AggregationTotals:
     """The mini-batch ``rows``' counts that ``--loss-aggregation`` divides by: trained tokens
-    of the kept responses (a multi-turn sample's own turns); sequences = ``mini_sequences``, the configured mini-batch size in
-    responses (verl divides a partial last mini-batch by it too), default the trained rows."""
+    of the kept responses (a multi-turn sample's own turns); sequences = ``mini_sequences``,
+    the configured mini-batch size in responses (verl divides a partial last mini-batch by it
+    too), default the trained rows."""
     kept = [i for i in rows if batch.is_kept(i)]
     pos = [i for i in kept if is_positive(batch, i)]
 
