@@ -15,7 +15,7 @@ from megatron_klear.rewards.sandbox import SandboxLimits
 from megatron_klear.rollout.client import Generation, SamplingParams
 from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError, \
     generate_tool_turns, tool_response_ids
-from megatron_klear.rollout.pipeline import RolloutContext, score_samples
+from megatron_klear.rollout.pipeline import RolloutContext, Sample, score_samples
 from megatron_klear.rollout.tools import PYTHON_SCHEMA, python_tool
 from megatron_klear.train.rl_data import RolloutBatch, rollout_stats
 
@@ -270,3 +270,20 @@ def test_prompts_with_their_own_tools_and_fixed_arguments(tmp_path):
     p.meta["tools"] = ["search"]
     with pytest.raises(ValueError, match=r"p.jsonl:1: the prompt lists tools \['search'\]"):
         generate_tool_turns(ctx, [p], [0])
+
+
+def test_loss_aggregation_counts_only_the_trained_tokens(monkeypatch):
+    """aggregation_totals (--loss-aggregation's divisors) counts a multi-turn sample's own
+    tokens, not its tool tokens; whole responses count every token as before."""
+    from megatron_klear.algo import rl_loss
+
+    monkeypatch.setattr(rl_loss.parallel_state, "get_data_parallel_world_size", lambda: 1)
+    own = Sample([1], [5, 6, 7, 8, 9], [-.1] * 5, [1, 0, 0, 1, 1], "stop", 0, 0, reward=1.0)
+    whole = Sample([1], [5, 6], [-.1] * 2, [1, 1], "stop", 0, 0, reward=0.0)
+    masked = rl_loss.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
+                                        [0, 1])
+    assert masked[:2] == (5.0, 3.0)        # 3 + 2 trained tokens; the positive's 3
+    own.loss_mask = [1] * 5
+    plain = rl_loss.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
+                                       [0, 1])
+    assert plain[:2] == (7.0, 5.0)
