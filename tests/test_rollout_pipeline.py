@@ -143,8 +143,8 @@ def test_broken_stages_and_specs_are_refused_by_name():
         build_pipeline(["advantages=grpo", "advantages=grpo"])
     masked = _samples([1, 0], n=2)
     assert RolloutBatch.from_samples(masked, 2, 1.0, {}).rewards == [1, 0]
-    masked[1].response_ids, masked[1].loss_mask = [2, 3], [1, 0]   # a tool's tokens (issue 40)
-    with pytest.raises(ValueError, match="sample 1 masks part of its response"):
+    masked[1].response_ids, masked[1].loss_mask = [2, 3], [1]      # one mask value short
+    with pytest.raises(ValueError, match="sample 1: its loss_mask must hold one 0 or 1"):
         RolloutBatch.from_samples(masked, 2, 1.0, {})
 
 

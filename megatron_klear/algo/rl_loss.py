@@ -120,13 +120,19 @@ def annotate_aggregation(mbs: list[dict]) -> None:
 
 def aggregation_totals(batch: RolloutRows, rows: Sequence[int],
                        mini_sequences: int | None = None) -> AggregationTotals:
-    """The mini-batch ``rows``' counts that ``--loss-aggregation`` divides by: tokens of the
-    trained responses; sequences = ``mini_sequences``, the configured mini-batch size in
-    responses (verl divides a partial last mini-batch by it too), default the trained rows."""
+    """The mini-batch ``rows``' counts that ``--loss-aggregation`` divides by: trained tokens
+    of the kept responses (a multi-turn sample's own turns); sequences = ``mini_sequences``,
+    the configured mini-batch size in responses (verl divides a partial last mini-batch by it
+    too), default the trained rows."""
     kept = [i for i in rows if batch.is_kept(i)]
     pos = [i for i in kept if is_positive(batch, i)]
-    return AggregationTotals(float(sum(len(batch.response_ids[i]) for i in kept)),
-                             float(sum(len(batch.response_ids[i]) for i in pos)),
+
+    def trained(i: int) -> int:
+        own = batch.response_mask(i)
+        return len(batch.response_ids[i]) if own is None else sum(own)
+
+    return AggregationTotals(float(sum(trained(i) for i in kept)),
+                             float(sum(trained(i) for i in pos)),
                              float(mini_sequences or len(kept)), float(len(pos)),
                              parallel_state.get_data_parallel_world_size())
 

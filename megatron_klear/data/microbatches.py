@@ -37,6 +37,8 @@ class RolloutRows(Protocol):
 
     def is_kept(self, i: int) -> bool: ...
 
+    def response_mask(self, i: int) -> list[int] | None: ...
+
 
 class MicroBatchLayout(Protocol):
     """The flags that shape RL micro-batches (train/rl_config.py's ``RLConfig``)."""
@@ -61,13 +63,15 @@ def is_positive(batch: RolloutRows, i: int) -> bool:
 def sample_fields(batch: RolloutRows, i: int) -> tuple[list[int], dict[str, list[float]]]:
     """Sample ``i`` as one sequence (prompt + response) and its per-label loss inputs.
 
-    labels[t] is token t+1; loss_mask marks the response tokens; advantages, ``positive``
-    (fully correct response) and rollout log-probs are aligned with the labels.
+    labels[t] is token t+1; loss_mask marks the trained response tokens (all of them, or
+    those of the sample's ``response_mask``: a multi-turn sample's own turns); advantages,
+    ``positive`` (fully correct response) and rollout log-probs are aligned with the labels.
     """
     p, resp = batch.prompt_ids[i], batch.response_ids[i]
     ctx, n = [0.0] * (len(p) - 1), len(resp)
     lp = list(batch.rollout_logprobs[i][:n])
-    fields = {"loss_mask": ctx + [float(batch.is_kept(i))] * n,
+    kept, own = float(batch.is_kept(i)), batch.response_mask(i)
+    fields = {"loss_mask": ctx + ([kept] * n if own is None else [kept * m for m in own]),
               "advantages": ctx + [float(batch.advantages[i])] * n,
               "positive": ctx + [float(is_positive(batch, i))] * n,
               "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}

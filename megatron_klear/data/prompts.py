@@ -202,6 +202,31 @@ def _label_of(rec: dict, where: str, answer_key: str, answer_format: str | None)
     return tests
 
 
+def tool_fields(rec: dict, where: str) -> dict:
+    """A record's tools for multi-turn rollouts, as ``meta`` entries: ``tools`` (a list of
+    tool names, the subset of ``--tools`` this prompt may call) and ``tools_kwargs`` (per tool
+    name, arguments added to every call of it, e.g. a ground truth the model must not see),
+    from top-level fields or verl's multi-turn layout (``extra_info.tools_kwargs``, with
+    ``create_kwargs``/``execute_kwargs`` merged)."""
+    out: dict = {}
+    names = record_field(rec, "tools")
+    if names is not None:
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise DataError(f"{where}: field 'tools' must be a list of tool names")
+        out["tools"] = list(names)
+    kwargs = record_field(rec, "tools_kwargs")
+    if kwargs is None:
+        kwargs = record_field(rec, "extra_info.tools_kwargs")
+    if kwargs is not None:
+        if not (isinstance(kwargs, dict) and all(isinstance(v, dict) for v in kwargs.values())):
+            raise DataError(f"{where}: field 'tools_kwargs' must map tool names to objects")
+        out["tools_kwargs"] = {name: {**(v.get("create_kwargs") or {}),
+                                      **(v.get("execute_kwargs") or {})}
+                               if {"create_kwargs", "execute_kwargs"} & set(v) else dict(v)
+                               for name, v in kwargs.items()}
+    return out
+
+
 def load_prompt_dataset(path: str | os.PathLike, *, prompt_key: str = "prompt",
                         answer_key: str = "answer", messages_key: str | None = None,
                         system_prompt: str | None = None,
@@ -213,7 +238,8 @@ def load_prompt_dataset(path: str | os.PathLike, *, prompt_key: str = "prompt",
     samples = []
     for line, rec in load_records(path):
         where = _where(path, line)
-        meta = {"file": path, "line": line, **{k: rec[k] for k in _META_KEYS if k in rec}}
+        meta = {"file": path, "line": line, **{k: rec[k] for k in _META_KEYS if k in rec},
+                **tool_fields(rec, where)}
         samples.append(PromptSample(len(samples), _messages(rec, where, prompt_key, messages_key,
                                                             system_prompt),
                                     _label(rec, where, answer_key, answer_format), meta))

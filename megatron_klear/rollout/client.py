@@ -179,8 +179,11 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ generation
     async def agenerate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
-                        seeds: list[int] | None = None) -> list[list[Generation]]:
+                        seeds: list[int] | None = None,
+                        max_new_tokens: list[int] | None = None) -> list[list[Generation]]:
         """n generations per prompt, in prompt order (token-id prompts go as input_ids).
+        ``max_new_tokens``: a per-prompt limit instead of ``params.max_new_tokens`` (the
+        turns of multi-turn rollouts, each with what is left of its token budget).
 
         ``seeds`` gives each prompt its own seed, so its samples do not depend on which server
         or batch serves them: sample j carries ``sample_seed(seed, j)``. Every sample is one
@@ -190,9 +193,11 @@ class RolloutClient:
         """
         seeds = seeds if seeds is not None else [params.sampling_seed] * len(prompts)
         base = {k: v for k, v in params.to_sglang().items() if k != "sampling_seed"} | {"n": 1}
-        items = [(prompt, base if seed is None
-                  else {**base, "sampling_seed": sample_seed(seed, j)})
-                 for prompt, seed in zip(prompts, seeds) for j in range(params.n)]
+        limits = max_new_tokens if max_new_tokens is not None else [None] * len(prompts)
+        items = [(prompt, {**base, **({} if seed is None else
+                                      {"sampling_seed": sample_seed(seed, j)}),
+                           **({} if limit is None else {"max_new_tokens": limit})})
+                 for prompt, seed, limit in zip(prompts, seeds, limits) for j in range(params.n)]
         if not items:
             return [[] for _ in prompts]
         parts = len([s for s in self.servers if self.active is None or s.url in self.active])
@@ -226,9 +231,10 @@ class RolloutClient:
         return [gens[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
-                 seeds: list[int] | None = None) -> list[list[Generation]]:
+                 seeds: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[list[Generation]]:
         """Blocking :meth:`agenerate`; works with or without a running loop in this thread."""
-        return self._run_sync(self.agenerate(prompts, params, seeds))
+        return self._run_sync(self.agenerate(prompts, params, seeds, max_new_tokens))
 
     def prompt_logprobs(self, input_ids: list[int]) -> list[list[float]]:
         """Per server: logprobs of tokens 1..L-1 of ``input_ids`` (temperature 1)."""

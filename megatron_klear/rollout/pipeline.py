@@ -64,6 +64,9 @@ class Sample:
     advantage: float = 0.0
     kept: bool = True                  # False: filtered out of the loss and the group stats
     metadata: dict[str, Any] = field(default_factory=dict)  # free for user stages
+    # multi-turn rollouts: the turns, tool calls and outputs, why it ended
+    # (rollout/multi_turn.py Trajectory); None for single-turn samples
+    trajectory: Any = None
 
     @property
     def truncated(self) -> bool:
@@ -87,6 +90,7 @@ class RolloutContext:
     prompt_limit: tuple[int, str] | None = None  # (max tokens, left | error | off)
     remote: RemoteReward | None = None
     overlong: OverlongShaping | None = None
+    multi_turn: Any = None             # rollout/multi_turn.py MultiTurnConfig (tools, limits)
     stats: dict[str, float] = field(default_factory=dict)
 
     def add_stat(self, key: str, value: float) -> None:

@@ -20,7 +20,10 @@ from megatron_klear.rewards import reward_max_score
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.multi_turn import MultiTurnConfig
 from megatron_klear.rollout.pipeline import RolloutContext, Sample, build_pipeline
+
+MULTI_TURN_STAGE = "generate=megatron_klear.rollout.multi_turn:generate_tool_turns"
 
 
 @dataclass
@@ -40,16 +43,21 @@ class RolloutBatch:
     stats: dict[str, float] = field(default_factory=dict)
     max_score: float = 1.0      # the reward's maximum: samples scoring it are the positives
     kept: list[bool] = field(default_factory=list)  # False: dropped by --overlong-filter
+    # per sample, per response token: 1 = trained (the model's own), 0 = in the sequence but
+    # not trained (multi-turn tool responses); empty when every response token trains
+    loss_masks: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], group_size: int, max_score: float,
                      stats: dict[str, float]) -> "RolloutBatch":
-        """The trainer's batch of the pipeline's samples (whole groups, in order). The trainer
-        trains every token of a kept response: a per-token loss mask is refused."""
+        """The trainer's batch of the pipeline's samples (whole groups, in order). The
+        samples' loss masks are kept only when one masks part of its response."""
         for i, s in enumerate(samples):
-            if s.loss_mask.count(1) != len(s.loss_mask):
-                raise ValueError(f"sample {i} masks part of its response from the loss; the "
-                                 "trainer trains whole responses (drop them with kept=False)")
+            if len(s.loss_mask) != len(s.response_ids) or s.loss_mask.count(0) + \
+                    s.loss_mask.count(1) != len(s.loss_mask):
+                raise ValueError(f"sample {i}: its loss_mask must hold one 0 or 1 per response "
+                                 "token")
+        partial = any(s.loss_mask.count(1) != len(s.loss_mask) for s in samples)
         return cls(group_size, prompt_ids=[s.prompt_ids for s in samples],
                    response_ids=[s.response_ids for s in samples],
                    rollout_logprobs=[s.rollout_logprobs for s in samples],
@@ -58,7 +66,8 @@ class RolloutBatch:
                    prompt_index=[s.prompt_index for s in samples],
                    advantages=[s.advantage for s in samples],
                    routed_experts=[s.routed_experts for s in samples], stats=stats,
-                   max_score=max_score, kept=[s.kept for s in samples])
+                   max_score=max_score, kept=[s.kept for s in samples],
+                   loss_masks=[s.loss_mask for s in samples] if partial else [])
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -71,10 +80,15 @@ class RolloutBatch:
         """Sample ``i`` trains (not dropped by the overlong filter)."""
         return not self.kept or self.kept[i]
 
+    def response_mask(self, i: int) -> list[int] | None:
+        """Sample ``i``'s per-token loss mask, or None when its whole response trains."""
+        return self.loss_masks[i] if self.loss_masks else None
+
     def _fields(self) -> tuple[str, ...]:
         return ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "truncated",
                 "prompt_index", "advantages") + (("kept",) if self.kept else ()) + \
-            (("routed_experts",) if self.routed_experts else ())
+            (("routed_experts",) if self.routed_experts else ()) + \
+            (("loss_masks",) if self.loss_masks else ())
 
     def select_groups(self, keep: Sequence[int]) -> "RolloutBatch":
         """A batch of the given groups only (stats are kept)."""
@@ -116,7 +130,8 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
                   prompt_limit: tuple[int, str] | None = None,
                   remote: RemoteReward | None = None,
                   overlong: OverlongShaping | None = None,
-                  stages: Sequence[str] | None = ()) -> RolloutBatch:
+                  stages: Sequence[str] | None = (),
+                  multi_turn: MultiTurnConfig | None = None) -> RolloutBatch:
     """A batch of ``num_prompts`` groups through the rollout pipeline (rollout/pipeline.py:
     generate -> score -> filters, per round; advantages over the batch), refilled past the
     groups the filters drop when asked.
@@ -131,13 +146,18 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
     the group advantages. ``prompt_limit`` = (max tokens, ``left`` | ``error``): see
     :func:`~megatron_klear.rollout.pipeline.limit_prompt`. ``remote``: score by the
     ``--reward-url`` service; ``overlong``: DAPO shaping. ``stages``: ``--rollout-stages``
-    (:func:`~megatron_klear.rollout.pipeline.build_pipeline`).
+    (:func:`~megatron_klear.rollout.pipeline.build_pipeline`). ``multi_turn`` (``--tools``):
+    the tools and limits of multi-turn rollouts, generated by
+    :func:`~megatron_klear.rollout.multi_turn.generate_tool_turns` unless ``stages`` names
+    another generate stage.
     """
     n = params.n
     ctx = RolloutContext(client, tokenizer, params, reward, reward_max_score(reward),
                          normalize_std=normalize_std, filter_metric=filter_metric,
                          overlong_filter=overlong_filter, prompt_limit=prompt_limit,
-                         remote=remote, overlong=overlong)
+                         remote=remote, overlong=overlong, multi_turn=multi_turn)
+    if multi_turn is not None and not any(s.startswith("generate=") for s in stages or ()):
+        stages = [MULTI_TURN_STAGE, *(stages or ())]
     pipeline = build_pipeline(stages, overlong_filter=overlong_filter,
                               dynamic_sampling=dynamic_sampling)
     kept: list[Sample] = []      # the batch: whole groups, in the order drawn
@@ -162,8 +182,13 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
 def rollout_stats(ctx: RolloutContext, scored: Sequence[Sample], drawn: int, dropped: int,
                   groups: int) -> dict[str, float]:
     """A step's rollout metrics: the stages' sums (timings, overlong penalty) and means over
-    every response scored in any round; ``dropped`` of the ``drawn`` groups were filtered."""
+    every response scored in any round; ``dropped`` of the ``drawn`` groups were filtered.
+    Multi-turn rollouts' ``multi_turn/*`` sums (calls, tool errors, turn-limit hits, model
+    vs tool tokens, rollout/multi_turn.py) become means per trajectory."""
     stats = dict(ctx.stats)
+    trajectories = stats.pop("multi_turn/samples", 0.0)
+    for key in [k for k in stats if k.startswith("multi_turn/")]:
+        stats[key] /= max(trajectories, 1.0)
     count = max(len(scored), 1)
     lengths = [len(s.response_ids) for s in scored]
     if "rollout/overlong_penalty" in stats:  # mean over every response scored
