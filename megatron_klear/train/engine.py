@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 
 from megatron_klear import platform
 from megatron_klear.config import TrainConfig
+from megatron_klear.models.lora import apply_lora, lora_spec
 from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import (Qwen3Arch, build_gpt_model, moe_config_kwargs,
                                          transformer_config)
@@ -314,6 +315,10 @@ def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> 
     chunks = [build_gpt_model(arch, tconf, transformer_impl=cfg.transformer_impl,
                               vp_stage=i if layout.virtual_size else None)
               for i in range(layout.num_model_chunks)]
+    lora = lora_spec(cfg)
+    if lora is not None:  # frozen base + adapters, before DDP sizes its grad buffers
+        for chunk in chunks:
+            apply_lora(chunk, arch, lora, seed=cfg.seed)
     if not wrap_ddp:
         return chunks
     ddp_cfg = DistributedDataParallelConfig(
@@ -404,6 +409,9 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
     from megatron_klear.checkpoint.state import load_checkpoint
 
     cfg = engine.cfg
+    lora = lora_spec(cfg) is not None
+    if lora:  # the frozen base first; the adapters then come from a LoRA checkpoint, if any
+        _load_lora_base(engine)
     src, resume = pick_checkpoint(cfg)
     if src is not None:
         restore = resume and not cfg.no_load_optim and with_optimizer
@@ -421,11 +429,26 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
                   "only; starting at step 0 with a fresh optimizer, LR schedule and data "
                   "cursor", file=sys.stderr, flush=True)
         return None
-    if cfg.hf_checkpoint:
+    if cfg.hf_checkpoint and not lora:
         load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
-        if with_optimizer:
-            _after_weight_load(engine, optimizer_restored=False)
+    if with_optimizer and (cfg.hf_checkpoint or lora):
+        _after_weight_load(engine, optimizer_restored=False)
     return None
+
+
+def _load_lora_base(engine: Engine) -> None:
+    """A LoRA run's frozen base: the full (not LoRA) checkpoint under ``--load``, else the
+    ``--hf-checkpoint`` weights."""
+    from megatron_klear.checkpoint.hf_io import SafetensorsReader
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.checkpoint.state import find_latest_checkpoint, load_checkpoint, read_meta
+
+    cfg = engine.cfg
+    path = find_latest_checkpoint(cfg.load) if cfg.load else None
+    if path is not None and not read_meta(path).get("lora"):
+        load_checkpoint(path, engine.model, load_rng=False, hf_config=engine.arch.hf_config)
+    elif cfg.hf_checkpoint:
+        load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
 
 
 def pick_checkpoint(cfg: TrainConfig) -> tuple[str | None, bool]:
@@ -434,13 +457,15 @@ def pick_checkpoint(cfg: TrainConfig) -> tuple[str | None, bool]:
     Resumes an own checkpoint under ``--load`` (not with ``--finetune``), then one under
     ``--save`` when that is another directory (the job restarted after it saved); otherwise
     the weights of ``--load``'s (or ``--save``'s) checkpoint, whoever wrote it.
+    A LoRA run considers only LoRA (adapter) checkpoints here: a full one is its base.
     """
     from megatron_klear.checkpoint.state import find_latest_checkpoint, read_meta
 
     found = {}
+    lora = lora_spec(cfg) is not None
     for src in dict.fromkeys(s for s in (cfg.load, cfg.save) if s):
         path = find_latest_checkpoint(src)
-        if path is not None:
+        if path is not None and not (lora and not read_meta(path).get("lora")):
             found[src] = is_own_checkpoint(read_meta(path), cfg)
     if found.get(cfg.load) and not cfg.finetune:
         return cfg.load, True
