@@ -93,11 +93,101 @@ def _parity(rank, world, hf: Path, out: Path):
     return res
 
 
+def _batches(vocab: int):
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, vocab, (4, 17), generator=g)
+    return [dict(tokens=tokens[r, :-1], labels=tokens[r, 1:],
+                 position_ids=torch.arange(16).expand(2, 16)) for r in ([0, 1], [2, 3])]
+
+
+def _sft(rank, world, hf: Path, out: Path):
+    """SFT steps with LoRA at TP2 on a full base checkpoint (``--load``, converted from another
+    model than ``--hf-checkpoint``): what changes, what the optimizer holds, what is saved,
+    and a resume from the adapters-only checkpoint."""
+    from megatron_klear.checkpoint.convert import convert_hf_to_megatron
+    from megatron_klear.checkpoint.hf_bridge import unwrap_model
+    from megatron_klear.checkpoint.state import find_latest_checkpoint, read_meta
+    from megatron_klear.models.lora import is_adapter_key
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.engine import build_engine, initialize_parallel, restore_or_init
+    from megatron_klear.train.token_loss import token_nll
+
+    base_hf = out / "base_hf"
+    full = convert_hf_to_megatron(base_hf, out / "full", dtype="fp32")
+    arch = qwen3_config_from_hf(load_hf_config(hf))
+    initialize_parallel(2, 1)
+    cfg = _cfg(hf, 2, 1, load=str(full), save=str(out / "lora_ckpt"))
+    batches = _batches(arch.vocab_size)
+
+    def loss_fn(logits, b):
+        nll = token_nll(logits, b["labels"], arch.vocab_size).sum() / 64
+        return nll, {"loss": nll.detach()}
+
+    def named(eng):
+        return dict(unwrap_model(eng.model[0]).named_parameters())
+
+    eng = build_engine(cfg, arch)
+    restore_or_init(eng)
+    params = named(eng)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    eng.train_step(batches, loss_fn)
+    eng.train_step(batches, loss_fn)  # B moves at step 1, A from step 2 (B starts at zero)
+    adapters = {n for n in params if is_adapter_key(n)}
+    opt_ids = {id(p) for g in eng.optimizer.param_groups for p in g["params"]}
+    res = {
+        "base_from_load": torch.equal(params["decoder.final_layernorm.weight"].detach(),
+                                      _hf_tensor(base_hf, "model.norm.weight")),
+        "base_changed": sorted(n for n in params if n not in adapters
+                               and not torch.equal(params[n], before[n])),
+        "base_requires_grad": sorted(n for n in params if n not in adapters
+                                     and params[n].requires_grad),
+        "adapters_unchanged": sorted(n for n in adapters if torch.equal(params[n], before[n])),
+        "adapters": len(adapters),
+        "optimizer_params_are_adapters": opt_ids == {id(params[n]) for n in adapters},
+        "optimizer_state_params": len(eng.optimizer.optimizer.state),
+        "grad_buffer_numel": sum(b.numel for b in eng.model[0].buffers),
+        "adapter_numel": sum(params[n].numel() for n in adapters),
+    }
+    eng.save(2, {"consumed": 8})
+    saved = find_latest_checkpoint(out / "lora_ckpt")
+    meta = read_meta(saved)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    res["saved"] = (meta["lora"], sum(meta["files"].values()),
+                    sum(f.stat().st_size for f in Path(full).rglob("*") if f.is_file()),
+                    sorted(FileSystemReader(str(saved)).read_metadata().state_dict_metadata))
+    eng.train_step(batches, loss_fn)
+    after_three = {n: params[n].detach().clone() for n in adapters}
+    resumed = build_engine(cfg, arch)
+    info = restore_or_init(resumed)
+    res["resumed_at"] = info.iteration if info else None
+    resumed.train_step(batches, loss_fn)
+    again = named(resumed)
+    res["resume_diff"] = sorted(n for n in adapters if not torch.equal(again[n], after_three[n]))
+    res["resumed_base"] = torch.equal(again["decoder.final_layernorm.weight"].detach(),
+                                      _hf_tensor(base_hf, "model.norm.weight"))
+    return res
+
+
+def _hf_tensor(hf: Path, name: str) -> torch.Tensor:
+    return load_file(hf / "model.safetensors")[name]
+
+
+def _launch(rank, world, hf: Path, out: Path):
+    return {**_parity(rank, world, hf, out), **_sft(rank, world, hf, out)}
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
+def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     hf = save_tiny_hf_model(root / "hf", std=0.2, seed=2)
-    ranks = run_distributed(_parity, 2, hf, root)
+    save_tiny_hf_model(root / "base_hf", std=0.2, seed=9, with_tokenizer=False)
+    return run_distributed(_launch, 2, hf, root), hf, root
+
+
+@pytest.fixture(scope="module")
+def parity(launched):
+    ranks, hf, root = launched
     got = {k: v for r in ranks for k, v in r.items() if v is not None}
     return got, hf, root
 
@@ -145,3 +235,94 @@ def test_merged_export_equals_peft(parity):
     got, hf, root = parity
     ref = _peft_logits(hf, root / "peft_tp2", got["ids"])
     assert (hf_logits(root / "merged_tp2", got["ids"]) - ref).abs().max().item() < TOL
+
+
+def test_sft_step_with_lora_moves_adapters_only(launched):
+    for res in launched[0]:
+        assert res["base_from_load"]  # --load's full checkpoint, not --hf-checkpoint
+        assert res["base_changed"] == [] and res["base_requires_grad"] == []
+        # 2 layers x (q, v, up: A and B; o, down: A and B) = 20 adapter tensors
+        assert res["adapters"] == 20 and res["adapters_unchanged"] == []
+        assert res["optimizer_params_are_adapters"]
+        assert 0 < res["optimizer_state_params"] <= res["adapters"]
+        # megatron DDP's grad buffer holds the adapters only (no base parameter)
+        assert res["adapter_numel"] <= res["grad_buffer_numel"] < 2 * res["adapter_numel"]
+
+
+def test_lora_checkpoint_holds_adapters_only_and_resumes_bitwise(launched):
+    for res in launched[0]:
+        lora, lora_bytes, full_bytes, keys = res["saved"]
+        # the model part is the adapters (no base tensor), with their Adam moments; the
+        # whole checkpoint (optimizer and RNG included) is smaller than the base model alone
+        assert lora and lora_bytes < full_bytes
+        model_keys = [k for k in keys if not k.startswith(("optimizer", "extra", "opt_param"))]
+        assert model_keys and all(".adapter." in k for k in model_keys), model_keys[:3]
+        assert any(k.startswith("optimizer") for k in keys)
+        assert res["resumed_at"] == 2 and res["resumed_base"]
+        assert res["resume_diff"] == []
+
+
+# ---------------------------------------------------------------- RL: weight sync, KL reference
+PROBE_IDS = [7, 20, 33, 41, 8, 15, 62, 70, 11, 5, 90, 24]
+SYNCED_TOL, STALE_MIN = 1e-4, 1e-2  # tests/test_weight_sync.py's
+
+
+def _sync(rank, world, url: str, hf: Path):
+    """DP2 with megatron DDP and the distributed optimizer (every base weight a view of one
+    buffer: the path that sends parameter memory as is). The server must receive the
+    merged weights after every sync, also after the adapters moved."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.checkpoint.hf_io import SafetensorsReader
+    from megatron_klear.models.lora import adapters, adapters_disabled
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
+    from megatron_klear.train.engine import build_model, initialize_parallel
+
+    initialize_parallel(1, 1)
+    arch = qwen3_config_from_hf(load_hf_config(hf))
+    model = build_model(arch, _cfg(hf, 1, 1, use_distributed_optimizer=True))
+    load_hf_weights(model, arch, SafetensorsReader(str(hf)))
+    sync = WeightSync([url], model, arch, bucket_bytes=32 * 1024, min_direct_bytes=1)
+    sync.connect()
+    diffs = {}
+
+    def probe(tag: str) -> None:
+        lp = trainer_sequence_logprobs(model, arch, PROBE_IDS)
+        if rank == 0:
+            diffs[tag] = sync.probe(PROBE_IDS, lp)
+
+    with torch.no_grad():
+        for _, _, adapter in adapters(model):  # the same on both DP replicas
+            for part in adapter.targeted:
+                b = adapter.lora_B[part]
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(b.numel()))
+                        * 0.3)
+    probe("before_sync")
+    sync.sync("v1")
+    probe("synced")
+    with torch.no_grad():  # the adapters move (as after an optimizer step), the base does not
+        for _, _, adapter in adapters(model):
+            for b in adapter.lora_B.values():
+                b.mul_(-1)
+    probe("adapters_moved")
+    sync.sync("v2")
+    probe("synced_again")
+    with adapters_disabled(model):  # the KL reference: the base the server started from
+        probe("reference_vs_merged")
+    sync.close()
+    return diffs if ps.get_data_parallel_rank() == 0 else {}
+
+
+def test_weight_sync_sends_merged_weights_every_sync(tmp_path):
+    from megatron_klear.rollout.launcher import launch_embedded_servers
+
+    hf = save_tiny_hf_model(tmp_path / "hf", std=0.2, seed=4)
+    with launch_embedded_servers(hf, 1, log_dir=tmp_path / "logs") as server:
+        diffs = run_distributed(_sync, 2, server.urls[0], hf, timeout=240)[0]
+    assert diffs["before_sync"] > STALE_MIN, diffs  # the adapters change the model
+    assert diffs["synced"] < SYNCED_TOL, diffs
+    assert diffs["adapters_moved"] > STALE_MIN, diffs
+    assert diffs["synced_again"] < SYNCED_TOL, diffs
+    assert diffs["reference_vs_merged"] > STALE_MIN, diffs  # adapters off: the base model

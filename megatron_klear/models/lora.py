@@ -290,7 +290,7 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def has_lora(model_chunks) -> bool:
     """Whether any chunk carries adapters."""
-    return any(True for _ in adapters(model_chunks))
+    return any(isinstance(m, _LoraLinear) for chunk in model_chunks for m in chunk.modules())
 
 
 def is_adapter_key(name: str) -> bool:

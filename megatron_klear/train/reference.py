@@ -5,6 +5,9 @@ from ``--ref-load`` (a Megatron checkpoint or a Hugging Face dir; default ``--hf
 For the reference forward they are swapped into the engine's own model chunks and the policy's
 weights are put back afterwards bit for bit, so the reference costs no second model on the
 device, only one host copy of the weights and two host<->device copies per RL step.
+
+With LoRA (``--lora-rank``) the reference is the frozen base itself: the adapters are switched
+off for the reference forward (``models.lora.adapters_disabled``), with no copy at all.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Iterator
 import torch
 
 from megatron_klear.checkpoint.state import CheckpointError
+from megatron_klear.config import ConfigError
+from megatron_klear.models.lora import adapters_disabled, has_lora
 
 __all__ = ["ReferencePolicy"]
 
@@ -29,6 +34,12 @@ class ReferencePolicy:
 
     def __init__(self, engine, source: str) -> None:
         self.engine = engine
+        self.lora = has_lora(engine.model)
+        if self.lora:
+            if getattr(engine.cfg, "ref_load", None):
+                raise ConfigError("--ref-load with --lora-rank: the KL reference of a LoRA run "
+                                  "is its base with the adapters off; drop --ref-load")
+            return
         policy = self._host_copy()
         self._load(source)
         self.weights = self._host_copy()
@@ -56,6 +67,10 @@ class ReferencePolicy:
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The engine's model holds the reference weights inside the block."""
+        if self.lora:
+            with adapters_disabled(self.engine.model):
+                yield
+            return
         policy = self._host_copy()
         self._copy_in(self.weights)
         try:
