@@ -205,11 +205,6 @@ class TrainConfig:
         if bad or self.lora_target_modules == []:
             raise ConfigError(f"--lora-target-modules {bad or '[]'}: choose from "
                               f"{list(LORA_TARGETS)}")
-        if self.transformer_impl != "local":
-            raise ConfigError("--lora-rank with --transformer-impl transformer_engine: the "
-                              "adapters wrap megatron-core's local linear layers only (TE's "
-                              "fused norm+linear hides the normalised input); use "
-                              "--transformer-impl local")
 
     def _validate_wandb(self) -> None:
         """W&B flags need a project, and the wandb package where the run starts."""

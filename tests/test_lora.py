@@ -249,6 +249,21 @@ def test_sft_step_with_lora_moves_adapters_only(launched):
         assert res["adapter_numel"] <= res["grad_buffer_numel"] < 2 * res["adapter_numel"]
 
 
+def test_memory_plan_counts_this_ranks_adapters(launched):
+    """train/memory.py's adapter count equals the TP2 model's, and its state bytes are the
+    adapters' only (fp32 grads, Adam m and v)."""
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.memory import lora_params_per_layer, plan_memory
+
+    ranks, hf, _ = launched
+    arch = qwen3_config_from_hf(load_hf_config(hf))
+    cfg = _cfg(hf, 2, 1)
+    assert ranks[0]["adapter_numel"] == arch.num_layers * lora_params_per_layer(arch, cfg)
+    stage = plan_memory(arch, cfg, 2).stages[0]
+    assert (stage.grads, stage.optimizer) == (4 * ranks[0]["adapter_numel"],
+                                              8 * ranks[0]["adapter_numel"])
+
+
 def test_lora_checkpoint_holds_adapters_only_and_resumes_bitwise(launched):
     for res in launched[0]:
         lora, lora_bytes, full_bytes, keys = res["saved"]

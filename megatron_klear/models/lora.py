@@ -1,9 +1,12 @@
 """LoRA adapters on megatron-core's tensor-parallel linear layers (issue 41).
 
-:func:`apply_lora` turns the targeted ``ColumnParallelLinear`` / ``RowParallelLinear`` layers of
-a built Qwen3 ``GPTModel`` into their LoRA variants (:class:`LoraColumnParallelLinear`,
-:class:`LoraRowParallelLinear`: same parameters and checkpoint keys, plus an ``adapter``
-submodule) and freezes every other parameter. The adapters are PEFT's: per HF projection
+:func:`apply_lora` turns the targeted linear layers of a built Qwen3 ``GPTModel``
+(megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear``, or Transformer Engine's
+linears) into their LoRA variants (:func:`lora_class`: the same class with the adapters'
+forward added, same parameters and checkpoint keys, plus an ``adapter`` submodule) and
+freezes every other parameter. Transformer Engine's fused norm + linear (``linear_qkv``,
+``linear_fc1`` of the TE spec) takes the residual stream: its adapters get the RMSNorm of it
+(recomputed in fp32 from ``layer_norm_weight``). The TE path has not run here (no GPU). The adapters are PEFT's: per HF projection
 (``q_proj``, ..., ``down_proj``, the names of :data:`~megatron_klear.config.LORA_TARGETS`) a
 matrix ``A`` (r x in) and ``B`` (out x r), output ``scale * B A dropout(x)`` with
 ``scale = alpha / r``. A fused megatron layer holds one adapter per HF part it fuses
@@ -38,13 +41,12 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                             make_sharded_tensors_for_checkpoint)
 
 from megatron_klear.config import LORA_TARGETS, ConfigError
 
-__all__ = ["LoraSpec", "LoraAdapter", "LoraColumnParallelLinear", "LoraRowParallelLinear",
-           "LAYERS", "apply_lora", "lora_spec", "adapters", "has_lora", "is_adapter_key",
+__all__ = ["LoraSpec", "LoraAdapter", "lora_class", "LAYERS", "apply_lora", "lora_spec", "adapters", "has_lora", "is_adapter_key",
            "merged_weight", "has_adapter", "adapters_disabled", "hf_module"]
 
 ADAPTER = "adapter"  # the submodule name: checkpoint keys ``...linear_qkv.adapter.lora_A.q_proj``
@@ -189,7 +191,7 @@ def _device() -> torch.device:
 
 
 class _LoraLinear:
-    """The forward and checkpoint layout shared by the LoRA linear layers."""
+    """The forward and checkpoint layout added to a megatron linear layer's own class."""
 
     adapter: LoraAdapter
     _base_axes: dict[str, int]
@@ -199,42 +201,49 @@ class _LoraLinear:
         out, bias = super().forward(input_, *args, **kwargs)
         if not self.lora_enabled:
             return out, bias
-        return out + self.adapter(input_).to(out.dtype), bias
+        return out + self.adapter(self._adapter_input(input_)).to(out.dtype), bias
+
+    def _adapter_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the HF projection sees: Transformer Engine's fused norm + linear
+        (``layer_norm_weight``) takes the residual stream, so the adapters get its RMSNorm
+        (fp32, as TE computes it)."""
+        weight = getattr(self, "layer_norm_weight", None)
+        if weight is None:
+            return x
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(),
+                          self.config.layernorm_epsilon)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The base layer's sharded tensors plus the adapters split like its weight."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = getattr(self, "tp_group", None) or getattr(self, "_tp_group", None)
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix,
             {**self._base_axes, **self.adapter.tp_axes(f"{ADAPTER}.")}, sharded_offsets,
-            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
-
-
-class LoraColumnParallelLinear(_LoraLinear, ColumnParallelLinear):
-    """megatron-core's ColumnParallelLinear with LoRA adapters (``adapter``)."""
-
-    _base_axes = {"weight": 0, "bias": 0}
-
-
-class LoraRowParallelLinear(_LoraLinear, RowParallelLinear):
-    """megatron-core's RowParallelLinear with LoRA adapters (``adapter``)."""
-
-    _base_axes = {"weight": 1}
+            tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
 
 
 # id(base weight) -> its LoRA layer, weakly (nothing is attached to the parameter itself,
 # which pickles and copies as before; tensors compare elementwise, so no WeakKeyDictionary)
 _OWNERS: dict[int, weakref.ref] = {}
+_CLASSES: dict[type, type] = {}
 
-_LORA_CLASS = {ColumnParallelLinear: LoraColumnParallelLinear,
-               RowParallelLinear: LoraRowParallelLinear}
+
+def lora_class(base: type, column: bool) -> type:
+    """``base`` (megatron-core's ColumnParallelLinear / RowParallelLinear, or Transformer
+    Engine's column / row / LayerNorm-column linear) with LoRA: ``Lora<base>``."""
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Lora{base.__name__}", (_LoraLinear, base),
+                              {"_base_axes": {"weight": 0, "bias": 0} if column
+                               else {"weight": 1}, "__module__": __name__})
+    return _CLASSES[base]
 
 
 def apply_lora(model: torch.nn.Module, arch, spec: LoraSpec, *, seed: int = 1234) -> None:
     """Add adapters to the targeted layers of one GPTModel chunk and freeze the rest.
 
     Raises :class:`ConfigError` for MLP targets of a Qwen3-MoE model's expert layers (not
-    supported) and for layers that are not megatron-core's local linear classes.
-    """
+    supported)."""
     sp = model.config.sequence_parallel
     for p in model.parameters():
         p.requires_grad_(False)
@@ -249,12 +258,9 @@ def apply_lora(model: torch.nn.Module, arch, spec: LoraSpec, *, seed: int = 1234
                 raise ConfigError(f"--lora-target-modules {list(targeted)}: layer {number} has "
                                   f"no dense {suffix} (Qwen3-MoE experts take no adapters "
                                   "yet); target the attention projections only")
-            base = type(module)
-            if base not in _LORA_CLASS:
-                raise ConfigError(f"--lora-rank: {suffix} is a {base.__name__}; LoRA wraps "
-                                  "megatron-core's local ColumnParallelLinear/RowParallelLinear "
-                                  "(--transformer-impl local)")
-            module.__class__ = _LORA_CLASS[base]
+            if getattr(module.config, "layernorm_zero_centered_gamma", False):
+                raise ConfigError("--lora-rank: zero-centred norm weights are not supported")
+            module.__class__ = lora_class(type(module), kind != "row")
             module.adapter = LoraAdapter(
                 kind, parts, targeted, _part_shapes(arch, kind, parts), spec, arch,
                 seed=seed * 10_000 + number * 10 + list(LAYERS).index(suffix),
@@ -263,10 +269,12 @@ def apply_lora(model: torch.nn.Module, arch, spec: LoraSpec, *, seed: int = 1234
 
 
 def _has(layer: torch.nn.Module, suffix: str) -> bool:
+    """Whether the layer has a dense linear at ``suffix`` (MoE layers have experts there)."""
     try:
-        return isinstance(layer.get_submodule(suffix), (ColumnParallelLinear, RowParallelLinear))
+        weight = getattr(layer.get_submodule(suffix), "weight", None)
     except AttributeError:
         return False
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
 def adapters(model_chunks) -> Iterator[tuple[int, str, LoraAdapter]]:
