@@ -166,6 +166,7 @@ def _sft(rank, world, hf: Path, out: Path):
     res["resume_diff"] = sorted(n for n in adapters if not torch.equal(again[n], after_three[n]))
     res["resumed_base"] = torch.equal(again["decoder.final_layernorm.weight"].detach(),
                                       _hf_tensor(base_hf, "model.norm.weight"))
+    resumed.export_hf(str(out / "exported"))  # merged weights + peft_adapter/ (trained A, B)
     return res
 
 
@@ -341,3 +342,14 @@ def test_weight_sync_sends_merged_weights_every_sync(tmp_path):
     assert diffs["adapters_moved"] > STALE_MIN, diffs
     assert diffs["synced_again"] < SYNCED_TOL, diffs
     assert diffs["reference_vs_merged"] > STALE_MIN, diffs  # adapters off: the base model
+
+
+def test_trainer_export_writes_merged_weights_and_a_peft_folder_that_agree(launched):
+    from megatron_klear.checkpoint.convert import hf_logits
+
+    _, _, root = launched
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(8))
+    peft = _peft_logits(root / "base_hf", root / "exported" / "peft_adapter", ids)
+    merged = hf_logits(root / "exported", ids)
+    assert (merged - peft).abs().max().item() < TOL
+    assert (hf_logits(root / "base_hf", ids) - peft).abs().max().item() > 100 * TOL

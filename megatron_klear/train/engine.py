@@ -76,6 +76,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+PEFT_SUBDIR = "peft_adapter"  # where export_hf puts a LoRA run's PEFT adapter folder
 MicroBatch = dict  # "tokens", "position_ids", optional THD "cu_seqlens"/"max_seqlen", loss inputs
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -194,11 +195,18 @@ class Engine:
                         trainer=type(self.cfg).trainer_name)
 
     def export_hf(self, out_dir: str, tokenizer_dir: str | None = None) -> None:
-        """Write the model in Hugging Face format (collective; any TP/PP)."""
+        """Write the model in Hugging Face format (collective; any TP/PP). With LoRA: the
+        merged weights (``W + scale B A``), and the adapters as a PEFT folder in
+        ``<out_dir>/peft_adapter``."""
         from megatron_klear.checkpoint.hf_io import export_model_to_hf
+        from megatron_klear.checkpoint.peft_io import export_peft_adapter
 
         self.gather_params()
         export_model_to_hf(self.model, self.arch, out_dir, tokenizer_dir=tokenizer_dir)
+        lora = lora_spec(self.cfg)
+        if lora is not None:
+            export_peft_adapter(self.model, lora, f"{out_dir}/{PEFT_SUBDIR}",
+                                base_model=self.cfg.hf_checkpoint)
 
     @torch.no_grad()
     def forward_only(self, microbatches: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
