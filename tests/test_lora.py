@@ -170,12 +170,48 @@ def _sft(rank, world, hf: Path, out: Path):
     return res
 
 
+def _layouts_step(rank, world, hf: Path):
+    """One step from the same adapters (non-zero B) at TP1 x DP2, TP2 and TP2 with sequence
+    parallelism: the adapters' full gradients (as megatron DDP reduced them), per layout."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_klear.checkpoint.peft_io import _stage_tensors
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.engine import build_engine, initialize_parallel, restore_or_init
+    from megatron_klear.train.token_loss import token_nll
+
+    arch = qwen3_config_from_hf(load_hf_config(hf))
+    out = {}
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        initialize_parallel(tp, 1)
+        eng = build_engine(_cfg(hf, tp, 1, sequence_parallel=sp), arch)
+        restore_or_init(eng)
+        _randomize_b(eng.model)
+        batches = _batches(arch.vocab_size)
+        if ps.get_data_parallel_world_size() == 2:
+            batches = batches[rank:rank + 1]
+
+        def loss_fn(logits, b):
+            nll = token_nll(logits, b["labels"], arch.vocab_size).sum() / 64
+            return nll, {"loss": nll.detach()}
+
+        eng.train_step(batches, loss_fn)
+        with torch.no_grad():  # the reduced gradients (Adam's first step hides their scale)
+            for p in eng.model[0].parameters():
+                if p.requires_grad:
+                    p.copy_(p.main_grad)
+        out[f"tp{tp}{'sp' if sp else ''}"] = {n: t.cpu() for n, t in
+                                             _stage_tensors(eng.model).items()}
+    return out
+
+
 def _hf_tensor(hf: Path, name: str) -> torch.Tensor:
     return load_file(hf / "model.safetensors")[name]
 
 
 def _launch(rank, world, hf: Path, out: Path):
-    return {**_parity(rank, world, hf, out), **_sft(rank, world, hf, out)}
+    return {**_parity(rank, world, hf, out), **_sft(rank, world, hf, out),
+            "steps": _layouts_step(rank, world, hf)}
 
 
 @pytest.fixture(scope="module")
@@ -353,3 +389,16 @@ def test_trainer_export_writes_merged_weights_and_a_peft_folder_that_agree(launc
     merged = hf_logits(root / "exported", ids)
     assert (merged - peft).abs().max().item() < TOL
     assert (hf_logits(root / "base_hf", ids) - peft).abs().max().item() > 100 * TOL
+
+
+def test_adapter_gradients_are_the_same_at_tp1_tp2_and_with_sequence_parallel(launched):
+    """The TP collectives of the adapters (A replicated / B split, and back; SP's gathers
+    and the TP all-reduce of replicated adapter grads) give TP1's gradients."""
+    steps = launched[0][0]["steps"]
+    ref = steps["tp1"]
+    for layout in ("tp2", "tp2sp"):
+        assert steps[layout].keys() == ref.keys()
+        diff = max((steps[layout][n] - ref[n]).abs().max().item() for n in ref)
+        moved = max((steps[layout][n] - 0).abs().max().item() for n in ref)
+        print(f"{layout}: max |adapter grads - TP1's| = {diff:.3g} (largest {moved:.3g})")
+        assert diff < 1e-5 and moved > 0
