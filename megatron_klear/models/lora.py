@@ -114,7 +114,7 @@ class LoraAdapter(torch.nn.Module):
         self.shapes = {p: shapes[p] for p in parts}
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
-        for i, part in enumerate(targeted):
+        for part in targeted:
             out, inp = shapes[part]
             gen = torch.Generator().manual_seed(seed * 1000 + parts.index(part))
             a = torch.empty(spec.rank, inp)
