@@ -407,7 +407,9 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
     RNG (unless ``--no-load-rng``) and the data position in ``extra``. A checkpoint of
     another trainer or of the converter, or any one with ``--finetune``, gives the weights
     only (one log line says so) and the run starts at step 0. Without a checkpoint the
-    ``--hf-checkpoint`` weights are loaded.
+    ``--hf-checkpoint`` weights are loaded. A LoRA run (``--lora-rank``) first loads its
+    frozen base (``--load``'s full checkpoint, else ``--hf-checkpoint``); the rules above
+    then apply to LoRA (adapters-only) checkpoints, see docs/lora.md.
 
     Returns the :class:`~megatron_klear.checkpoint.state.CheckpointInfo` of a resumed run,
     or None for a run that starts at step 0.
