@@ -458,3 +458,18 @@ def test_killed_rl_run_with_lora_resumes_bitwise(hf_model, prompts, tmp_path):
         for key in ("train/loss", "train/policy_loss", "rollout/reward_mean",
                     "weight_sync/probe_logprob_mean", "data/prompt_indices"):
             assert got[step][key] == ref[step][key], (step, key)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(lora_rank=4, lora_target_modules=["q_proj", "foo"]), "--lora-target-modules"),
+    (dict(lora_rank=4, lora_target_modules=[]), "--lora-target-modules"),
+    (dict(lora_rank=-1), "--lora-rank"),
+    (dict(lora_rank=4, lora_alpha=0.0), "--lora-alpha"),
+    (dict(lora_rank=4, lora_dropout=1.0), "--lora-dropout"),
+    (dict(lora_dropout=0.1), "--lora-dropout needs --lora-rank"),
+    (dict(lora_target_modules=["q_proj"]), "--lora-target-modules needs --lora-rank")])
+def test_bad_lora_flags_are_refused_by_name(flags, message):
+    from megatron_klear.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**flags).validate()
