@@ -24,8 +24,10 @@ Tensor parallelism (the base weight's split, see checkpoint/hf_bridge.py):
   ``B`` replicated; ``h = A x`` is all-reduced over TP (reduce-scattered over the sequence
   under SP, ``B`` then marked ``sequence_parallel``).
 
-Adapters are fp32 whatever the base dtype (bf16 base, fp32 adapters): the branch computes in
-fp32 and adds its output in the base output's dtype. Initialisation is PEFT's (A Kaiming-
+Adapters are stored in the model's parameter dtype, so that megatron's mixed-precision
+optimizer keeps their fp32 master weights and Adam state (megatron-core 0.16.1's bf16 optimizer
+cannot checkpoint fp32 parameters next to bf16 ones); the branch always computes in fp32 and
+adds its output in the base output's dtype. Initialisation is PEFT's (A Kaiming-
 uniform, B zero), drawn from a generator seeded by the seed, the global layer and the part,
 then split: the same adapters at any TP/PP layout.
 """
@@ -104,7 +106,7 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(self, kind: str, parts: tuple[str, ...], targeted: tuple[str, ...],
                  shapes: dict[str, tuple[int, int]], spec: LoraSpec, arch, *, seed: int,
-                 sequence_parallel: bool) -> None:
+                 sequence_parallel: bool, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.kind, self.parts, self.spec, self.arch = kind, parts, spec, arch
         self.column = kind != "row"
@@ -130,7 +132,7 @@ class LoraAdapter(torch.nn.Module):
             replicated = self.lora_A[part] if self.column else self.lora_B[part]
             replicated.sequence_parallel = sequence_parallel  # grads summed over TP under SP
         self.dropout = torch.nn.Dropout(spec.dropout) if spec.dropout else torch.nn.Identity()
-        self.to(device=_device())
+        self.to(device=_device(), dtype=dtype)
 
     @property
     def targeted(self) -> list[str]:
@@ -145,10 +147,10 @@ class LoraAdapter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``scale * B A dropout(x)`` of every part, in the base output's local layout."""
         names = self.targeted
-        a = torch.cat([self.lora_A[p] for p in names])
-        h = F.linear(self.dropout(x.to(a.dtype)), a)
+        a = torch.cat([self.lora_A[p] for p in names]).float()
+        h = F.linear(self.dropout(x.float()), a)
         h = self._communicate(h)
-        outs = dict(zip(names, (F.linear(hp, self.lora_B[p])
+        outs = dict(zip(names, (F.linear(hp, self.lora_B[p].float())
                                 for p, hp in zip(names, h.split(self.spec.rank, dim=-1)))))
         return self._fuse(outs, h.shape[:-1], h) * self.spec.scale
 
@@ -179,8 +181,9 @@ class LoraAdapter(torch.nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """``scale * B A`` of this rank's shard, shaped like the base weight shard (fp32)."""
-        outs = {p: self.lora_A[p].t() @ self.lora_B[p].t() for p in self.targeted}
-        a = self.lora_A[self.targeted[0]]
+        outs = {p: self.lora_A[p].float().t() @ self.lora_B[p].float().t()
+                for p in self.targeted}
+        a = self.lora_A[self.targeted[0]].float()
         return self._fuse(outs, (a.shape[1],), a).t() * self.spec.scale
 
 
@@ -264,7 +267,7 @@ def apply_lora(model: torch.nn.Module, arch, spec: LoraSpec, *, seed: int = 1234
             module.adapter = LoraAdapter(
                 kind, parts, targeted, _part_shapes(arch, kind, parts), spec, arch,
                 seed=seed * 10_000 + number * 10 + list(LAYERS).index(suffix),
-                sequence_parallel=sp)
+                sequence_parallel=sp, dtype=model.config.params_dtype)
             _OWNERS[id(module.weight)] = weakref.ref(module)  # merged_weight: base -> adapter
 
 

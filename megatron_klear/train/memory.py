@@ -379,11 +379,9 @@ def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | No
     v = layout.num_model_chunks
     expert_dp = world_size // (cfg.expert_model_parallel_size * cfg.expert_tp * pp)
     o_b_experts = model_state_bytes_per_param(cfg, expert_dp)[2]
-    # LoRA: a frozen base (no grads, no optimizer state), fp32 adapters with fp32 grads and
-    # Adam m, v (no master copy), sharded over DP by the distributed optimizer
+    # LoRA: a frozen base (no grads, no optimizer state); the adapters, in the parameter
+    # dtype, take the state bytes of any parameter (fp32 grads, master copy and Adam m, v)
     lora = bool(getattr(cfg, "lora_rank", 0))
-    adapter_opt = 8.0 / (dp if cfg.use_distributed_optimizer else 1) \
-        if not cfg.optimizer_cpu_offload else 0.0
     stages = []
     for i, layers in enumerate(layout.stage_layers):
         experts = int(layers * expert_params_per_layer(arch, cfg))
@@ -398,11 +396,11 @@ def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | No
         saved += int(in_flight * kept * lora_layer)
         working += int(rerun * lora_layer)
         if lora:
-            grads, optimizer = adapters * 4.0, adapters * adapter_opt
+            grads, optimizer = adapters * g_b, adapters * o_b
         else:
             grads, optimizer = n * g_b, (n - experts) * o_b + experts * o_b_experts
         stages.append(StagePlan(
-            stage=i, layers=layers, in_flight=in_flight, params=int(n * p_b + adapters * 4),
+            stage=i, layers=layers, in_flight=in_flight, params=int((n + adapters) * p_b),
             grads=int(grads), optimizer=int(optimizer),
             activations=saved,
             logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,
