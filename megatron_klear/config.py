@@ -25,6 +25,8 @@ T = TypeVar("T", bound="TrainConfig")
 
 # megatron-core's selective-recompute modules that exist in a dense (non-MoE, non-MLA) model
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+# the HF (PEFT) module names LoRA can target (models/lora.py maps them to megatron's layers)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ConfigError(ValueError):
@@ -143,6 +145,16 @@ class TrainConfig:
     no_load_optim: bool = opt(False, "resume without the checkpoint's optimizer and LR-schedule "
                                      "state")
     no_load_rng: bool = opt(False, "resume without the checkpoint's RNG states")
+    # LoRA (issue 41; megatron_klear/models/lora.py, docs/lora.md). One block with
+    # validate_lora, so that it moves as a unit.
+    lora_rank: int = opt(0, "LoRA rank r (0: full fine-tuning); the base is frozen and only the "
+                            "adapters train, save and get optimizer state")
+    lora_alpha: float = opt(16.0, "LoRA alpha: the adapters' output is scaled by alpha / r (as "
+                                  "PEFT)")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input (PEFT's lora_dropout)")
+    lora_target_modules: list[str] | None = opt(
+        None, "HF module names that get adapters (PEFT's target_modules), from q_proj k_proj "
+              "v_proj o_proj gate_proj up_proj down_proj (default: all seven)")
 
     # which trainer this config drives; recorded in its checkpoints ("sft", "rl")
     trainer_name: ClassVar[str | None] = None
@@ -173,6 +185,26 @@ class TrainConfig:
         self._validate_context_parallel()
         self._validate_moe()
         self._validate_wandb()
+        self.validate_lora()
+
+    def validate_lora(self) -> None:
+        """The LoRA flags: rank, alpha, dropout and targets (the names PEFT uses)."""
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        lora_only = [n for n, on in (("lora_target_modules", self.lora_target_modules),
+                                     ("lora_dropout", self.lora_dropout)) if on]
+        if not self.lora_rank:
+            if lora_only:
+                raise ConfigError(f"{flag(lora_only[0])} needs --lora-rank R > 0")
+            return
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        bad = sorted(set(self.lora_target_modules or ()) - set(LORA_TARGETS))
+        if bad or self.lora_target_modules == []:
+            raise ConfigError(f"--lora-target-modules {bad or '[]'}: choose from "
+                              f"{list(LORA_TARGETS)}")
 
     def _validate_wandb(self) -> None:
         """W&B flags need a project, and the wandb package where the run starts."""

@@ -35,10 +35,12 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from megatron_klear.models.lora import has_adapter, is_adapter_key, merged_weight
 from megatron_klear.models.qwen3 import Qwen3Arch, padded_vocab_size
 
 __all__ = ["Rule", "RULES", "BridgeError", "hf_tensor_names", "load_hf_weights",
            "export_hf_weights", "export_entries", "export_views", "export_gathers",
+           "export_aliases",
            "hf_state_dict_from_megatron", "split_for_rank", "split_parts_for_rank",
            "merge_shards", "merge_views", "concat_rows",
            "unwrap_model", "param_rules", "check_hf_names", "check_hf_shape", "hf_shape"]
@@ -284,6 +286,8 @@ def param_rules(model_chunks: list[torch.nn.Module], arch: Qwen3Arch
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         for name, param in model.named_parameters():
+            if is_adapter_key(name):  # LoRA adapters: merged into their base (export_views)
+                continue
             rule, match = next(((r, m) for p, r in _PATTERNS if (m := p.match(name))),
                                (None, None))
             if rule is None:
@@ -420,19 +424,27 @@ def export_gathers() -> bool:
                                      _ep()[0]))
 
 
+def export_aliases(entries: list[tuple[torch.nn.Parameter, Rule, list[str]]]) -> bool:
+    """Whether :func:`export_views` yields views of the parameters themselves (no gathers and
+    no LoRA adapter merged into any of them), which then show their current values."""
+    return not export_gathers() and not any(has_adapter(p) for p, _, _ in entries)
+
+
 @torch.no_grad()
 def export_views(entries: list[tuple[torch.nn.Parameter, Rule, list[str]]], arch: Qwen3Arch
                  ) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """(HF name, view, HF shape) for every tensor of :func:`export_entries`, nothing copied
     beyond the TP gathers (see :func:`merge_views`; without gathers every view aliases its
-    parameter, so it shows the parameter's current values).
+    parameter, so it shows the parameter's current values). A weight with LoRA adapters is
+    exported merged (``W + scale B A``, :func:`~megatron_klear.models.lora.merged_weight`):
+    one new tensor per such parameter, made as the walk reaches it.
 
     Collective over the tensor-parallel group (and, for experts, expert-TP and EP): every rank
     of the stage must iterate it to the end.
     """
     for param, rule, hf in entries:
         tp, _, group = _tp(rule) if rule.kind != "replicated" else (1, 0, None)
-        views = merge_views(rule.kind, _gather_tp(param.detach(), tp, group), tp, arch)
+        views = merge_views(rule.kind, _gather_tp(merged_weight(param), tp, group), tp, arch)
         if rule.expert:
             yield from _gather_experts(hf, [v.reshape(shape) for v, shape in views], arch)
         else:

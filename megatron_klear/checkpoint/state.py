@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_klear.checkpoint.hf_bridge import unwrap_model
+from megatron_klear.models.lora import has_lora, is_adapter_key
 from megatron_klear.models.qwen3 import qwen3_config_from_hf
 from megatron_klear.orphans import forks_die_with_parent
 
@@ -141,8 +142,12 @@ def _model_keys(n_chunks: int) -> list[str]:
     return ["model"] if n_chunks == 1 else [f"model{i}" for i in range(n_chunks)]
 
 
-def _model_sharded_state_dict(model_chunks: list[torch.nn.Module]) -> dict:
-    return {key: unwrap_model(chunk).sharded_state_dict()
+def _model_sharded_state_dict(model_chunks: list[torch.nn.Module], part: str = "all") -> dict:
+    """Each chunk's sharded state dict: ``all`` of it, only the LoRA ``adapters`` or only the
+    ``base`` (everything but the adapters)."""
+    keep = {"all": lambda k: True, "adapters": is_adapter_key,
+            "base": lambda k: not is_adapter_key(k)}[part]
+    return {key: {k: v for k, v in unwrap_model(chunk).sharded_state_dict().items() if keep(k)}
             for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks)}
 
 
@@ -245,7 +250,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    state = _model_sharded_state_dict(model_chunks)
+    lora = has_lora(model_chunks)  # the base is frozen: a LoRA run saves its adapters only
+    state = _model_sharded_state_dict(model_chunks, "adapters" if lora else "all")
     contents = list(state)
     if optimizer is not None:
         opt_state = optimizer.sharded_state_dict(state, metadata=OPTIMIZER_METADATA)
@@ -263,14 +269,15 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model_chunks: list[tor
     torch.save(_rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:
-        _publish(tmp, final, iteration, model_chunks, contents, hf_config, keep_last, trainer)
+        _publish(tmp, final, iteration, model_chunks, contents, hf_config, keep_last, trainer,
+                 lora)
     _barrier()
     return final
 
 
 def _publish(tmp: Path, final: Path, iteration: int, model_chunks: list[torch.nn.Module],
              contents: list[str], hf_config: dict | None, keep_last: int | None,
-             trainer: str | None) -> None:
+             trainer: str | None, lora: bool = False) -> None:
     """Rank 0: meta last, fsync, rename into place, move the marker, prune old ones."""
     for path in tmp.rglob("*"):
         if path.is_file():
@@ -279,7 +286,7 @@ def _publish(tmp: Path, final: Path, iteration: int, model_chunks: list[torch.nn
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration, **_layout(),
             "num_model_chunks": len(model_chunks), "params_dtype": str(dtype).replace("torch.", ""),
             "contents": contents, "hf_config": hf_config, "trainer": trainer,
-            "files": _file_sizes(tmp),
+            "lora": lora, "files": _file_sizes(tmp),
             "complete": True}
     _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
     if final.exists():  # re-saving an iteration: replace it only once the new one is whole
@@ -353,6 +360,20 @@ def _usable(path: Path) -> bool:
 
 
 # ---------------------------------------------------------------- load
+def _load_part(path: Path, meta: dict, model_chunks: list[torch.nn.Module]) -> str:
+    """What a load restores: the adapters of a LoRA checkpoint, the base of a LoRA model
+    from a full checkpoint, else everything. A LoRA checkpoint without a LoRA model is
+    refused (it holds no base weights)."""
+    lora_model = has_lora(model_chunks)
+    if meta.get("lora"):
+        if not lora_model:
+            raise CheckpointError(f"{path}: holds LoRA adapters only (no base weights); load it "
+                                  "with the run's --lora-rank/--lora-alpha/--lora-target-modules "
+                                  "and the base from --hf-checkpoint, or export merged weights")
+        return "adapters"
+    return "base" if lora_model else "all"
+
+
 def check_same_model(path: Path, saved: dict | None, expected: dict | None) -> None:
     """Raise :class:`CheckpointError` naming every architecture field (:data:`ARCH_FIELDS`)
     on which the checkpoint's ``hf_config`` and the model's differ (skipped when either
@@ -391,7 +412,8 @@ def load_checkpoint(load_dir: str | Path, model_chunks: list[torch.nn.Module], *
         raise CheckpointError(f"{path}: holds {meta['num_model_chunks']} model chunk(s), the "
                               f"model has {len(model_chunks)}; match "
                               "--num-layers-per-virtual-pipeline-stage to the saved run")
-    state = _model_sharded_state_dict(model_chunks)
+    part = _load_part(path, meta, model_chunks)
+    state = _model_sharded_state_dict(model_chunks, part)
     if optimizer is not None and "optimizer" in meta["contents"]:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
                                                           metadata=OPTIMIZER_METADATA)
@@ -401,7 +423,8 @@ def load_checkpoint(load_dir: str | Path, model_chunks: list[torch.nn.Module], *
         last = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or [type(exc).__name__]
         raise CheckpointError(f"{path}: does not fit the model: {last[0].strip()}") from exc
     for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks):
-        unwrap_model(chunk).load_state_dict(loaded[key])
+        # a part (LoRA adapters or base) leaves the other part's keys as they are
+        unwrap_model(chunk).load_state_dict(loaded[key], strict=part == "all")
     if "optimizer" in state:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "opt_param_scheduler" in loaded:

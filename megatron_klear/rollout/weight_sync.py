@@ -233,10 +233,11 @@ class WeightSync:
         self._http = concurrent.futures.ThreadPoolExecutor(1)  # init requests
         # packs bucket k+1 while bucket k is on the wire, at the lowest priority
         self._packer = concurrent.futures.ThreadPoolExecutor(1, initializer=lowest_cpu_priority)
-        from megatron_klear.checkpoint.hf_bridge import export_entries, export_gathers
+        from megatron_klear.checkpoint.hf_bridge import export_aliases, export_entries
 
         self._entries = export_entries(model_chunks, arch)  # the RULES walk, once per run
-        self._gathers = export_gathers()
+        # views made anew each sync: TP gathers, or LoRA weights merged layer by layer
+        self._gathers = not export_aliases(self._entries)
         self._views: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         self._views_storage: list[int] | None = None
         self._plan: list[Bucket] | None = None  # the buckets, planned by the first sync

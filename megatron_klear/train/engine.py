@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 from megatron_klear import platform
 from megatron_klear.config import TrainConfig
 from megatron_klear.distributed import initialize_parallel
+from megatron_klear.models.lora import apply_lora, lora_spec
 from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import Qwen3Arch, build_model_chunks
 from megatron_klear.models.routing_replay import replay_routing
@@ -25,6 +26,7 @@ from megatron_klear.train.adam_state import init_adam_state, untie_adam_steps
 from megatron_klear.train.context_parallel import slice_batch
 
 
+PEFT_SUBDIR = "peft_adapter"  # where export_hf puts a LoRA run's PEFT adapter folder
 MicroBatch = dict  # "tokens", "position_ids", optional THD "cu_seqlens"/"max_seqlen", loss inputs
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -143,11 +145,18 @@ class Engine:
                         trainer=type(self.cfg).trainer_name)
 
     def export_hf(self, out_dir: str, tokenizer_dir: str | None = None) -> None:
-        """Write the model in Hugging Face format (collective; any TP/PP)."""
+        """Write the model in Hugging Face format (collective; any TP/PP). With LoRA: the
+        merged weights (``W + scale B A``), and the adapters as a PEFT folder in
+        ``<out_dir>/peft_adapter``."""
         from megatron_klear.checkpoint.hf_io import export_model_to_hf
+        from megatron_klear.checkpoint.peft_io import export_peft_adapter
 
         self.gather_params()
         export_model_to_hf(self.model, self.arch, out_dir, tokenizer_dir=tokenizer_dir)
+        lora = lora_spec(self.cfg)
+        if lora is not None:
+            export_peft_adapter(self.model, lora, f"{out_dir}/{PEFT_SUBDIR}",
+                                base_model=self.cfg.hf_checkpoint)
 
     @torch.no_grad()
     def forward_only(self, microbatches: list[MicroBatch], loss_fn: LossFn) -> list[dict]:
@@ -234,6 +243,10 @@ def build_model(arch: Qwen3Arch, cfg: TrainConfig, *, wrap_ddp: bool = True) -> 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     chunks = build_model_chunks(arch, cfg)
+    lora = lora_spec(cfg)
+    if lora is not None:  # frozen base + adapters, before DDP sizes its grad buffers
+        for chunk in chunks:
+            apply_lora(chunk, arch, lora, seed=cfg.seed)
     if not wrap_ddp:
         return chunks
     ddp_cfg = DistributedDataParallelConfig(
@@ -314,7 +327,9 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
     RNG (unless ``--no-load-rng``) and the data position in ``extra``. A checkpoint of
     another trainer or of the converter, or any one with ``--finetune``, gives the weights
     only (one log line says so) and the run starts at step 0. Without a checkpoint the
-    ``--hf-checkpoint`` weights are loaded.
+    ``--hf-checkpoint`` weights are loaded. A LoRA run (``--lora-rank``) first loads its
+    frozen base (``--load``'s full checkpoint, else ``--hf-checkpoint``); the rules above
+    then apply to LoRA (adapters-only) checkpoints, see docs/lora.md.
 
     Returns the :class:`~megatron_klear.checkpoint.state.CheckpointInfo` of a resumed run,
     or None for a run that starts at step 0.
@@ -324,6 +339,9 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
     from megatron_klear.checkpoint.state import load_checkpoint
 
     cfg = engine.cfg
+    lora = lora_spec(cfg) is not None
+    if lora:  # the frozen base first; the adapters then come from a LoRA checkpoint, if any
+        _load_lora_base(engine)
     src, resume = pick_checkpoint(cfg)
     if src is not None:
         restore = resume and not cfg.no_load_optim and with_optimizer
@@ -341,11 +359,26 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
                   "only; starting at step 0 with a fresh optimizer, LR schedule and data "
                   "cursor", file=sys.stderr, flush=True)
         return None
-    if cfg.hf_checkpoint:
+    if cfg.hf_checkpoint and not lora:
         load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
-        if with_optimizer:
-            _after_weight_load(engine, optimizer_restored=False)
+    if with_optimizer and (cfg.hf_checkpoint or lora):
+        _after_weight_load(engine, optimizer_restored=False)
     return None
+
+
+def _load_lora_base(engine: Engine) -> None:
+    """A LoRA run's frozen base: the full (not LoRA) checkpoint under ``--load``, else the
+    ``--hf-checkpoint`` weights."""
+    from megatron_klear.checkpoint.hf_io import SafetensorsReader
+    from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.checkpoint.state import find_latest_checkpoint, load_checkpoint, read_meta
+
+    cfg = engine.cfg
+    path = find_latest_checkpoint(cfg.load) if cfg.load else None
+    if path is not None and not read_meta(path).get("lora"):
+        load_checkpoint(path, engine.model, load_rng=False, hf_config=engine.arch.hf_config)
+    elif cfg.hf_checkpoint:
+        load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
 
 
 def pick_checkpoint(cfg: TrainConfig) -> tuple[str | None, bool]:
@@ -354,13 +387,15 @@ def pick_checkpoint(cfg: TrainConfig) -> tuple[str | None, bool]:
     Resumes an own checkpoint under ``--load`` (not with ``--finetune``), then one under
     ``--save`` when that is another directory (the job restarted after it saved); otherwise
     the weights of ``--load``'s (or ``--save``'s) checkpoint, whoever wrote it.
+    A LoRA run considers only LoRA (adapter) checkpoints here: a full one is its base.
     """
     from megatron_klear.checkpoint.state import find_latest_checkpoint, read_meta
 
     found = {}
+    lora = lora_spec(cfg) is not None
     for src in dict.fromkeys(s for s in (cfg.load, cfg.save) if s):
         path = find_latest_checkpoint(src)
-        if path is not None:
+        if path is not None and not (lora and not read_meta(path).get("lora")):
             found[src] = is_own_checkpoint(read_meta(path), cfg)
     if found.get(cfg.load) and not cfg.finetune:
         return cfg.load, True

@@ -41,7 +41,8 @@ from megatron_klear.models.qwen3 import padded_vocab_size
 __all__ = ["Workload", "StagePlan", "MemoryPlan", "plan_memory", "flags_to_fit", "check_fits",
            "model_state_bytes_per_param", "layer_activation_elements", "GiB",
            "ColocatedPlan", "plan_colocated", "colocated_fixes", "check_colocated_fits",
-           "model_params", "COLOCATE_RESIDUAL_GIB"]
+           "model_params", "COLOCATE_RESIDUAL_GIB", "lora_params_per_layer",
+           "lora_activation_bytes_per_token"]
 
 GiB = 2**30
 
@@ -173,6 +174,68 @@ def expert_params_per_layer(arch, cfg: TrainConfig) -> float:
     terms = moe_layer_terms(arch)
     return terms["sparse_fraction"] * terms["expert_params"] / (
         cfg.expert_model_parallel_size * cfg.expert_tp)
+
+
+def lora_params_per_layer(arch, cfg: TrainConfig) -> float:
+    """This rank's LoRA adapter parameters per layer (0 without ``--lora-rank``): per targeted
+    HF projection r x in (A) + out x r (B); column-parallel ones (q, k, v, gate, up) hold A
+    whole and B / TP, row-parallel ones (o, down) A / TP and B whole. MLP targets count on
+    dense layers only (experts take no adapters)."""
+    r = getattr(cfg, "lora_rank", 0)
+    if not r:
+        return 0.0
+    t = cfg.tensor_model_parallel_size
+    h, ffn = arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    dense = 1 - moe_layer_terms(arch)["sparse_fraction"]
+    per = {"q_proj": (r * h + q * r / t, 1.0), "k_proj": (r * h + kv * r / t, 1.0),
+           "v_proj": (r * h + kv * r / t, 1.0), "o_proj": (r * q / t + h * r, 1.0),
+           "gate_proj": (r * h + ffn * r / t, dense), "up_proj": (r * h + ffn * r / t, dense),
+           "down_proj": (r * ffn / t + h * r, dense)}
+    return sum(n * share for target, (n, share) in per.items() if target in _lora_targets(cfg))
+
+
+def _lora_targets(cfg: TrainConfig) -> tuple[str, ...]:
+    from megatron_klear.config import LORA_TARGETS
+
+    return tuple(cfg.lora_target_modules or LORA_TARGETS)
+
+
+def lora_activation_bytes_per_token(arch, cfg: TrainConfig) -> float:
+    """Bytes one layer's adapters save per token for backward (0 without LoRA).
+
+    The adapters compute in fp32: with a bf16 base each adapted layer's input is cast to fp32
+    (column-parallel: the hidden size, divided by TP under sequence parallelism; row-parallel:
+    its TP shard), and every targeted projection keeps its r-wide ``A x`` (whole: gathered
+    over the sequence under SP). Dropout adds its output and mask per input element.
+    """
+    r = getattr(cfg, "lora_rank", 0)
+    if not r:
+        return 0.0
+    t = cfg.tensor_model_parallel_size
+    sp = t if cfg.sequence_parallel else 1
+    targets = _lora_targets(cfg)
+    dense = 1 - moe_layer_terms(arch)["sparse_fraction"]
+    h, ffn, q = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads * arch.head_dim
+    inputs = {"qkv": (h / sp, 1.0, ("q_proj", "k_proj", "v_proj")),
+              "o": (q / t, 1.0, ("o_proj",)), "fc1": (h / sp, dense, ("gate_proj", "up_proj")),
+              "fc2": (ffn / t, dense, ("down_proj",))}
+    per_input = (4.0 if cfg.bf16 else 0.0) + (5.0 if getattr(cfg, "lora_dropout", 0) else 0.0)
+    total = 0.0
+    for width, share, parts in inputs.values():
+        hit = sum(p in targets for p in parts)
+        if hit:
+            total += share * (width * per_input + hit * r * 4.0)
+    return total
+
+
+def _lora_layers(cfg: TrainConfig, layers: int) -> tuple[int, int]:
+    """(layers whose adapter tensors stay saved per micro-batch, layers re-run in backward):
+    full recompute keeps none (uniform) or ``layers - n`` (block) and re-runs ``n``."""
+    if cfg.recompute_granularity != "full":
+        return layers, 0
+    n = min(cfg.recompute_num_layers or 1, layers)
+    return (layers - n if cfg.recompute_method == "block" else 0), n
 
 
 def _stage_params(arch, t: int, pp: int, stage: int, layers: int) -> int:
@@ -316,16 +379,29 @@ def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | No
     v = layout.num_model_chunks
     expert_dp = world_size // (cfg.expert_model_parallel_size * cfg.expert_tp * pp)
     o_b_experts = model_state_bytes_per_param(cfg, expert_dp)[2]
+    # LoRA: a frozen base (no grads, no optimizer state); the adapters, in the parameter
+    # dtype, take the state bytes of any parameter (fp32 grads, master copy and Adam m, v)
+    lora = bool(getattr(cfg, "lora_rank", 0))
     stages = []
     for i, layers in enumerate(layout.stage_layers):
         experts = int(layers * expert_params_per_layer(arch, cfg))
         n = _stage_params(arch, t, pp, i, layers) + experts
+        adapters = int(layers * lora_params_per_layer(arch, cfg))
         in_flight = min(pp - i, m) if v == 1 else min(2 * (pp - i - 1) + (v - 1) * pp + 1,
                                                       m * v)
         saved, working = _activation_bytes(arch, cfg, w, layers // v, in_flight, i, pp)
+        lora_layer = w.microbatch_tokens(cfg) / cfg.context_parallel_size * \
+            lora_activation_bytes_per_token(arch, cfg)  # one layer, one micro-batch
+        kept, rerun = _lora_layers(cfg, layers // v)
+        saved += int(in_flight * kept * lora_layer)
+        working += int(rerun * lora_layer)
+        if lora:
+            grads, optimizer = adapters * g_b, adapters * o_b
+        else:
+            grads, optimizer = n * g_b, (n - experts) * o_b + experts * o_b_experts
         stages.append(StagePlan(
-            stage=i, layers=layers, in_flight=in_flight, params=int(n * p_b),
-            grads=int(n * g_b), optimizer=int((n - experts) * o_b + experts * o_b_experts),
+            stage=i, layers=layers, in_flight=in_flight, params=int((n + adapters) * p_b),
+            grads=int(grads), optimizer=int(optimizer),
             activations=saved,
             logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,
             backward_working=working))

@@ -9,6 +9,9 @@ copies (the reference's weights, and the policy's while the reference is swapped
 allocated once, pinned where CUDA is (a copy between the GPU and pageable memory is staged
 by the driver and blocks): a step reuses them instead of allocating a model's worth of host
 memory.
+
+With LoRA (``--lora-rank``) the reference is the frozen base itself: the adapters are switched
+off for the reference forward (``models.lora.adapters_disabled``), with no copy at all.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Iterator
 import torch
 
 from megatron_klear.checkpoint.state import CheckpointError
+from megatron_klear.config import ConfigError
+from megatron_klear.models.lora import adapters_disabled, has_lora
 
 __all__ = ["ReferencePolicy"]
 
@@ -33,6 +38,12 @@ class ReferencePolicy:
 
     def __init__(self, engine, source: str) -> None:
         self.engine = engine
+        self.lora = has_lora(engine.model)
+        if self.lora:
+            if getattr(engine.cfg, "ref_load", None):
+                raise ConfigError("--ref-load with --lora-rank: the KL reference of a LoRA run "
+                                  "is its base with the adapters off; drop --ref-load")
+            return
         self._policy = self._host_buffers()  # the policy's weights while swapped out
         self._store(self._policy)
         self._load(source)
@@ -70,6 +81,10 @@ class ReferencePolicy:
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The engine's model holds the reference weights inside the block."""
+        if self.lora:
+            with adapters_disabled(self.engine.model):
+                yield
+            return
         self._store(self._policy)
         self._copy_in(self.weights)
         try:
