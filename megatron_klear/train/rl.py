@@ -399,7 +399,7 @@ def rollout_servers(cfg: RLConfig):
 def train(cfg: RLConfig) -> list[dict]:
     """Run GPPO RL; returns this run's per-step metrics."""
     from megatron_klear.data.prompts import load_prompt_dataset, load_tokenizer
-    from megatron_klear.rollout.client import RolloutClient, SamplingParams
+    from megatron_klear.rollout.client import RolloutClient
     from megatron_klear.rollout.weight_sync import WeightSync
 
     arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
@@ -408,19 +408,13 @@ def train(cfg: RLConfig) -> list[dict]:
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
     engine = build_engine(cfg, arch)
-    cfg.resolve_share_prompts(arch)
+    cfg.derive(arch)  # the --share-prompts default for this model
     info = restore_or_init(engine)
     reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
         if cfg.kl_coef else None
     step, consumed = (info.iteration, info.extra["consumed_prompts"]) if info else (0, 0)
     stream = PromptStream(prompts, cfg.seed, consumed)
-    if cfg.use_routing_replay and not arch.is_moe:
-        raise ConfigError(f"--use-routing-replay replays MoE routing, and "
-                          f"{cfg.hf_checkpoint}/config.json is a dense model: drop the flag")
-    params = SamplingParams(n=cfg.n_samples_per_prompt, max_new_tokens=cfg.rollout_max_response_len,
-                            temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
-                            stop_token_ids=[tokenizer.eos_token_id],
-                            return_routed_experts=cfg.use_routing_replay)
+    params = cfg.sampling_params(stop_token_ids=[tokenizer.eos_token_id])
     log = MetricsLogger(cfg.log_dir or cfg.save, total_steps=cfg.train_iters, start_step=step,
                         desc="rl", progress=cfg.progress_bar, log_interval=cfg.log_interval,
                         wandb=wandb_settings(cfg))
@@ -574,19 +568,13 @@ def sync_and_probe(engine: Engine, cfg: RLConfig, sync: Any, version: str) -> di
 def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
     """avg@k / pass@k of the current policy on ``--eval-data`` (rank 0 evaluates)."""
     from megatron_klear.eval.evaluate import Benchmark, evaluate
-    from megatron_klear.rollout.client import SamplingParams
 
     report = None
     if torch.distributed.get_rank() == 0:
         bench = Benchmark(name="eval", path=cfg.eval_data, reward=cfg.reward,
                           prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                           answer_format=cfg.answer_format)
-        params = SamplingParams(max_new_tokens=cfg.rollout_max_response_len,
-                                temperature=cfg.rollout_temperature
-                                if cfg.eval_temperature is None else cfg.eval_temperature,
-                                top_p=cfg.rollout_top_p if cfg.eval_top_p is None
-                                else cfg.eval_top_p,
-                                stop_token_ids=[tokenizer.eos_token_id])
+        params = cfg.eval_sampling_params(stop_token_ids=[tokenizer.eos_token_id])
         report = evaluate(client, tokenizer, [bench], k=cfg.eval_k, params=params,
                           progress=False)["eval"]
     report = broadcast_batch(report)
@@ -605,7 +593,7 @@ def memory_workload(cfg: RLConfig) -> Workload:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``klear-rl``: parse flags, run RL, exit non-zero with a clear message on bad input."""
-    from megatron_klear.cli import trainer_main
+    from megatron_klear.train.main import trainer_main
 
     trainer_main(RLConfig, train, argv, "klear-rl", workload=memory_workload)
 
