@@ -28,8 +28,8 @@ from typing import Any, ClassVar, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "OneLineParser", "Section", "TrainConfig", "parse_config", "flag", "to_dict",
-           "LAYOUT_FIELDS", "add_layout_flags", "add_section_flags", "parallel_layout",
+__all__ = ["ConfigError", "OneLineParser", "Section", "TrainConfig", "parse_config", "flag",
+           "to_dict", "LAYOUT_FIELDS", "add_layout_flags", "add_section_flags", "parallel_layout",
            "layout_from_args", "section_from_args"]
 
 T = TypeVar("T", bound="TrainConfig")
@@ -59,8 +59,8 @@ class Section:
     A subclass sets ``title`` (its ``--help`` group) and may define ``validate_section()``
     (the flags alone) and ``check_inputs_section(model)`` (files and the model's config.json;
     ``model`` is a :class:`~megatron_klear.models.qwen3.Qwen3Arch`, or None when no
-    config.json is on this machine). Each is looked up in the section's own class body, so every section's
-    checks run once, whatever the mix.
+    config.json is on this machine). Each is looked up in the section's own class body, so
+    every section's checks run once, whatever the mix.
     """
 
     title: ClassVar[str] = ""

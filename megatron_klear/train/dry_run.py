@@ -29,22 +29,22 @@ from megatron_klear.models.qwen3 import Qwen3Arch, check_parallel_layout, load_h
 from megatron_klear.train.memory import Workload, check_colocated_fits, check_fits, \
     plan_colocated, plan_memory
 
-__all__ = ["launch_world_size", "preflight", "dry_run"]
+__all__ = ["launch_world_size", "model_arch", "preflight", "dry_run"]
 
 
-def launch_world_size(cfg: TrainConfig) -> int:
-    """The processes of this launch: ``WORLD_SIZE``, else one DP replica for the dry run
+def launch_world_size(cfg: TrainConfig, dry: bool) -> int:
+    """The processes of this launch: ``WORLD_SIZE``, else one DP replica for a dry run
     (TP x PP x CP) and one process for a real run."""
     default = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * \
-        cfg.context_parallel_size if cfg.dry_run else 1
+        cfg.context_parallel_size if dry else 1
     return int(os.environ.get("WORLD_SIZE", default))
 
 
-def model_arch(cfg: TrainConfig) -> Qwen3Arch | None:
-    """``--hf-checkpoint``'s architecture, checked against the parallel layout; None for a
-    dry run without the model's config.json on this machine."""
-    if cfg.dry_run and not (cfg.hf_checkpoint and
-                            (Path(cfg.hf_checkpoint) / "config.json").is_file()):
+def model_arch(cfg: TrainConfig, required: bool) -> Qwen3Arch | None:
+    """``--hf-checkpoint``'s architecture, checked against the parallel layout; None when
+    not ``required`` (a dry run) and its config.json is not on this machine."""
+    if not required and not (cfg.hf_checkpoint and
+                             (Path(cfg.hf_checkpoint) / "config.json").is_file()):
         return None
     arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
     check_parallel_layout(arch, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
@@ -58,18 +58,19 @@ def preflight(cfg: TrainConfig) -> Qwen3Arch | None:
     """Check a parsed config against the launch, the model and the files on this machine,
     then derive the model-dependent values; returns the architecture (None: see
     :func:`model_arch`). Raises ConfigError / DataError naming the flag or FILE:LINE."""
-    cfg.data_parallel_size(launch_world_size(cfg))
-    arch = model_arch(cfg)
+    cfg.data_parallel_size(launch_world_size(cfg, cfg.dry_run))
+    arch = model_arch(cfg, required=not cfg.dry_run)
     cfg.check_inputs(arch)
     cfg.derive(arch)
     return arch
 
 
 def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
-    """Print the config and the dry-run report (JSON); raise when the plan does not fit."""
-    arch = preflight(cfg)
-    world = launch_world_size(cfg)
+    """Print the config and the dry-run report (JSON); raise when the plan does not fit.
+    (The trainers run :func:`preflight` first.)"""
+    world = launch_world_size(cfg, dry=True)
     report: dict = {"world_size": world, "data_parallel_size": cfg.data_parallel_size(world)}
+    arch = model_arch(cfg, required=False)
     plan = None
     if arch is not None:
         layout = PipelineLayout.from_config(arch.num_layers, cfg)

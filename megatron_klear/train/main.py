@@ -27,9 +27,9 @@ def trainer_main(cfg_cls: type[TrainConfig], train: Callable[[Any], Any],
 
     def run():
         cfg = parse_config(cfg_cls, argv, prog=prog)
+        preflight(cfg)
         if cfg.dry_run:
             return dry_run(cfg, workload(cfg) if workload else None)
-        preflight(cfg)
         return train(cfg)
 
     run_main(run)
