@@ -541,8 +541,8 @@ def add_section_flags(parser: argparse.ArgumentParser, section: type[Section],
     everywhere (klear-eval takes the prompt section; the tools the layout flags)."""
     group = parser.add_argument_group(f"{section.title} (as the trainers take them)")
     hints = typing.get_type_hints(section)
-    for f in dataclasses.fields(section):
-        if f.name in section.section_fields() and (only is None or f.name in only):
+    for f in dataclasses.fields(section):  # its own flags and those of the sections it extends
+        if only is None or f.name in only:
             _add_flag(group, f, hints[f.name], default=f.default,
                       aliases=(aliases or {}).get(f.name, ()))
 
@@ -550,7 +550,7 @@ def add_section_flags(parser: argparse.ArgumentParser, section: type[Section],
 def section_from_args(section: type[Section], args: argparse.Namespace) -> Any:
     """A validated ``section`` built from another CLI's flags added by
     :func:`add_section_flags` (raises :class:`ConfigError` naming the flag)."""
-    values = {name: getattr(args, name) for name in section.section_fields()}
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(section)}
     instance = section(**values)
     instance.validate()
     return instance

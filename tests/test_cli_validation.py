@@ -7,6 +7,7 @@ weights): a run that got past its checks would fail on the missing weights, not 
 one-line exit 2.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -202,3 +203,27 @@ def test_validation_changes_no_value_and_derive_does():
     assert dataclasses.asdict(cfg) == before
     cfg.derive()
     assert cfg.global_batch_size == 8 and cfg.rollout_gen_batch_size is None
+
+
+def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
+    """klear-rl, klear-sft and klear-eval take the same prompt flags (name, type, default,
+    help); the rollout client and the embedded server share one SamplingParams."""
+    from megatron_klear.config import _build_parser
+    from megatron_klear.data.prompt_flags import PromptFlags
+    from megatron_klear.eval.__main__ import build_parser
+    from megatron_klear.rollout import client, sampling
+    from megatron_klear.train.rl_config import RLConfig
+    from megatron_klear.train.sft_config import SFTConfig
+
+    def actions(parser):
+        return {a.dest: (a.option_strings, a.type, a.default, a.help, a.choices)
+                for a in parser._actions}
+
+    rl, sft, ev = (actions(p) for p in (_build_parser(RLConfig, None),
+                                        _build_parser(SFTConfig, None), build_parser()))
+    shared = [f.name for f in dataclasses.fields(PromptFlags)]
+    assert len(shared) == 6
+    for name in shared:
+        assert ev[name][:2] == rl[name][:2] and ev[name][3:] == rl[name][3:], name
+    assert sft["chat_template_kwargs"][3] == rl["chat_template_kwargs"][3]
+    assert client.SamplingParams is sampling.SamplingParams
