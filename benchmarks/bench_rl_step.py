@@ -113,6 +113,7 @@ def packing_part(work: Path, repeats: int) -> dict:
              "packed": RLConfig(**base, micro_batch_size=1, max_tokens_per_gpu=budget)}
     for cfg in modes.values():
         cfg.validate()
+        cfg.derive()  # sequences per optimizer step, as parse_config sets them
     initialize_parallel(1, 1, seed=0)
     engine = build_engine(modes["padded"], qwen3_config_from_hf(load_hf_config(hf)))
     times: dict[str, list[float]] = {m: [] for m in modes}

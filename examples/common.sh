@@ -6,6 +6,10 @@
 #   model_or_config DIR FALLBACK ARGS...
 #                           DIR, or with --dry-run and no DIR/config.json here, FALLBACK
 #                           (the shipped hf_config/ of the public architecture).
+#   data_or_sample FILE SAMPLE ARGS...
+#                           FILE, or with --dry-run and no FILE here, SAMPLE (a shipped
+#                           examples/data/ file in the same format: the dry run checks that
+#                           data files exist and their first records parse).
 set -euo pipefail
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -19,6 +23,13 @@ model_or_config() {
   local dir=$1 fallback=$2; shift 2
   if [[ " $* " == *" --dry-run "* && ! -f "$dir/config.json" ]]; then echo "$fallback"
   else echo "$dir"; fi
+}
+
+data_or_sample() {
+  local file=$1 sample=$2; shift 2
+  if [[ " $* " == *" --dry-run "* && ! -f "$file" ]]; then
+    echo "dry run: $file is not on this machine; checking $sample instead" >&2; echo "$sample"
+  else echo "$file"; fi
 }
 
 launch() {

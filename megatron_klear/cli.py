@@ -1,4 +1,8 @@
-"""Shared entry-point behaviour for the console scripts: clear errors, non-zero exits."""
+"""Shared entry-point behaviour for the console scripts: clear errors, non-zero exits.
+
+The bottom of the entry points: klear-eval, the tools/ CLIs and the trainers' entry
+(train/main.py) call :func:`run_main`; nothing here imports a trainer.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ def bad_input_errors() -> tuple[type[BaseException], ...]:
     from megatron_klear.checkpoint.state import CheckpointError
     from megatron_klear.config import ConfigError
     from megatron_klear.data.prompts import DataError
+    from megatron_klear.rollout.client import RoutedExpertsMissing
 
+    # RoutedExpertsMissing: servers started without --enable-return-routed-experts under replay
     return (ConfigError, DataError, ConversionError, BridgeError, CheckpointError,
-            FileNotFoundError)
+            RoutedExpertsMissing, FileNotFoundError)
 
 
 def run_main(fn: Callable[[], Any]) -> Any:
@@ -30,30 +36,10 @@ def run_main(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except errors as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print("error: " + " ".join(str(exc).split("\n")), file=sys.stderr)  # one line
         sys.exit(2)
     finally:
         _shutdown()
-
-
-def trainer_main(cfg_cls: type, train: Callable[[Any], Any], argv, prog: str,
-                 workload: Callable[[Any], Any] | None = None) -> None:
-    """Parse a trainer's flags, then validate only (--dry-run) or train.
-
-    ``workload(cfg)`` gives the :class:`~megatron_klear.train.memory.Workload` (sequence
-    length, loss kind) the dry run's memory plan assumes for this trainer.
-    """
-    from megatron_klear.config import parse_config
-
-    def run():
-        cfg = parse_config(cfg_cls, argv, prog=prog)
-        if cfg.dry_run:
-            from megatron_klear.train.dry_run import dry_run
-
-            return dry_run(cfg, workload(cfg) if workload else None)
-        return train(cfg)
-
-    run_main(run)
 
 
 def _shutdown() -> None:

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -131,10 +132,12 @@ def main() -> None:
                    help="colocated RL: trainer and rollout server take turns (klear-rl --colocate)")
     args = p.parse_args()
     out = Path(args.out)
-    if args.dry_run:
-        for module, argv in (("megatron_klear.train.sft", sft_args(out, args)),
-                             ("megatron_klear.train.rl", rl_args(out, args))):
-            _run_dry(module, argv)
+    if args.dry_run:  # the data it would train on, written aside: the dry run checks files
+        with tempfile.TemporaryDirectory() as tmp:
+            write_arithmetic_data(Path(tmp) / "data", seed=args.seed)
+            for module, argv in (("megatron_klear.train.sft", sft_args(Path(tmp), args)),
+                                 ("megatron_klear.train.rl", rl_args(Path(tmp), args))):
+                _run_dry(module, argv)
         return
     if out.exists():
         shutil.rmtree(out)

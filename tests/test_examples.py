@@ -54,7 +54,8 @@ def test_dry_run_8b_layout_without_memory_features_does_not_fit():
     env = dict(os.environ, PYTHONWARNINGS="ignore", WORLD_SIZE="32")
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_klear.train.sft", "--dry-run",
-         "--hf-checkpoint", "examples/klear_8b/hf_config", "--data-path", "unused.jsonl",
+         "--hf-checkpoint", "examples/klear_8b/hf_config", "--data-path",
+         "examples/data/sft_sample.jsonl",
          "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
          "--seq-length", "32768", "--global-batch-size", "64", "--bf16",
          "--transformer-impl", "transformer_engine"],

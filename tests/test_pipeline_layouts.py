@@ -98,7 +98,9 @@ def test_context_parallel_with_thd_packs_is_refused_by_validate_and_dry_run(trai
     from megatron_klear.train import rl, sft
 
     argv = ["--context-parallel-size", "2", "--transformer-impl", "transformer_engine",
-            "--hf-checkpoint", "hf", "--seq-length", "64", *extra]
+            "--hf-checkpoint", "hf", *extra]
+    if trainer == "sft":  # klear-rl refuses --seq-length: its sequences are prompt + response
+        argv += ["--seq-length", "64"]
     main = rl.main if trainer == "rl" else sft.main
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--dry-run"])

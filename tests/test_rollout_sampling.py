@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_klear.rollout.sampling import (RequestError, SamplingConfig, filter_top_k_top_p,
+from megatron_klear.rollout.sampling import (RequestError, SamplingParams, filter_top_k_top_p,
                                              find_stop_string, sample_next, seeded_uniforms,
                                              token_logprobs)
 
@@ -45,7 +45,7 @@ def test_temperature_scaled_logprobs():
 def test_sampling_follows_the_filtered_distribution(draws):
     """Inverse-CDF sampling at the row's uniform draw follows the top-k filtered distribution,
     with draws from a torch generator or from the (seed, position) counter stream."""
-    cfg = SamplingConfig(top_k=2)
+    cfg = SamplingParams(top_k=2)
     rows = PROBS.log().expand(4000, 4)
     if draws == "generator":
         u = torch.rand(4000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -54,15 +54,15 @@ def test_sampling_follows_the_filtered_distribution(draws):
     tokens = sample_next(rows, [cfg] * 4000, u)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=0.03, rtol=0)
-    greedy = sample_next(rows[:3], [SamplingConfig(temperature=0.0)] * 3, u[:3])
+    greedy = sample_next(rows[:3], [SamplingParams(temperature=0.0)] * 3, u[:3])
     assert greedy.tolist() == [1, 1, 1]
 
 
 def test_rows_keep_their_own_sampling_config():
     """One batch mixing greedy, top-p and top-k rows: each row samples only its own kept set
     (the hand-computed sets above), whatever its draw."""
-    cfgs = [SamplingConfig(temperature=0.0), SamplingConfig(top_p=0.45),
-            SamplingConfig(top_k=2), SamplingConfig(top_p=0.75)]
+    cfgs = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.45),
+            SamplingParams(top_k=2), SamplingParams(top_p=0.75)]
     kept = [{1}, {1}, {1, 3}, {1, 3}]
     seen: list[set] = [set() for _ in cfgs]
     for u in torch.linspace(0.0, 0.999, 200, dtype=torch.float64):
@@ -120,8 +120,8 @@ def test_earliest_stop_string_wins():
 ])
 def test_bad_sampling_params_name_the_field(params, field):
     with pytest.raises(RequestError, match=field):
-        SamplingConfig.from_request(params)
+        SamplingParams.from_request(params)
 
 
 def test_single_stop_string_accepted():
-    assert SamplingConfig.from_request({"stop": "END"}).stop == ["END"]
+    assert SamplingParams.from_request({"stop": "END"}).stop == ["END"]

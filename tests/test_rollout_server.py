@@ -315,7 +315,7 @@ def test_retract_pause_reprefills_with_the_new_weights(model_dir, reference, tmp
     retracted request); ``in_place`` keeps the old KV cache, so token 3 still comes from the
     logits the old weights computed."""
     from megatron_klear.rollout.generator import Generator, Sequence
-    from megatron_klear.rollout.sampling import SamplingConfig
+    from megatron_klear.rollout.sampling import SamplingParams
 
     old_ref, _ = reference
     new_ref, _ = load_reference(make_tiny_model(tmp_path / "new", seed=1))
@@ -337,7 +337,7 @@ def test_retract_pause_reprefills_with_the_new_weights(model_dir, reference, tmp
 
     running = PauseAfter3()
     running.set()
-    seq = Sequence([5, 6, 7, 8], SamplingConfig(max_new_tokens=8, ignore_eos=True), seed=3)
+    seq = Sequence([5, 6, 7, 8], SamplingParams(max_new_tokens=8, ignore_eos=True), seed=3)
     gen.run_batch([seq], threading.Event(), running, retract_flag)
     ids = seq.prompt_ids + seq.output_ids
     got = torch.tensor(seq.logprobs)

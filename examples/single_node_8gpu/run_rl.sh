@@ -9,7 +9,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../common.sh"
 GPUS_PER_NODE=${TRAIN_GPUS:-4}
 MODEL=$(model_or_config "${MODEL:-/ckpt/klear-8b/sft_hf}" "$HERE/../klear_8b/hf_config" "$@")
-DATA=${DATA:-/data/klear/math_rl.jsonl}
+DATA=$(data_or_sample "${DATA:-/data/klear/math_rl.jsonl}" "$HERE/../data/math_rl_sample.jsonl" "$@")
 OUT=${OUT:-/ckpt/klear-8b-1node}
 urls=${ROLLOUT_URLS:-}
 ENGINE_ARGS=()  # --use-routing-replay needs the engines' routed experts (docs/moe.md)

@@ -10,7 +10,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../common.sh"
 GPUS_PER_NODE=8
 MODEL=$(model_or_config "${MODEL:-/ckpt/klear-8b/sft_hf}" "$HERE/../klear_8b/hf_config" "$@")
-DATA=${DATA:-/data/klear/math_rl.jsonl}
+DATA=$(data_or_sample "${DATA:-/data/klear/math_rl.jsonl}" "$HERE/../data/math_rl_sample.jsonl" "$@")
 OUT=${OUT:-/ckpt/klear-8b-1node-colocate}
 MEM_FRACTION=0.85  # SGLang's static pool (weights + KV) while the trainer is offloaded
 urls=""

@@ -8,6 +8,7 @@ Missing fields raise ``DataError`` naming the file, the line and the flag that f
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -230,13 +231,15 @@ def tool_fields(rec: dict, where: str) -> dict:
 def load_prompt_dataset(path: str | os.PathLike, *, prompt_key: str = "prompt",
                         answer_key: str = "answer", messages_key: str | None = None,
                         system_prompt: str | None = None,
-                        answer_format: str | None = None) -> list[PromptSample]:
-    """All samples of a .jsonl/.parquet prompt file (see the module doc for labels)."""
+                        answer_format: str | None = None,
+                        limit: int | None = None) -> list[PromptSample]:
+    """All samples of a .jsonl/.parquet prompt file (see the module doc for labels), or its
+    first ``limit`` (the pre-flight check of a run's data)."""
     if answer_format is not None and answer_format not in ANSWER_FORMATS:
         raise DataError(f"unknown --answer-format {answer_format!r}; use one of {ANSWER_FORMATS}")
     path = os.fspath(path)
     samples = []
-    for line, rec in load_records(path):
+    for line, rec in itertools.islice(load_records(path), limit):
         where = _where(path, line)
         meta = {"file": path, "line": line, **{k: rec[k] for k in _META_KEYS if k in rec},
                 **tool_fields(rec, where)}

@@ -10,6 +10,7 @@ truncated or dropped (``overflow``), and the counts are reported.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,14 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict],
                             "end of an assistant turn")
         mask.append(int(inside))
     return list(enc["input_ids"]), mask
+
+
+def check_sft_records(path: str | Path, limit: int, *, prompt_key: str = "prompt",
+                      response_key: str = "response", messages_key: str = "messages") -> None:
+    """The first ``limit`` records of an SFT file hold a conversation (no tokenizer needed:
+    the pre-flight check of ``--data-path``); :class:`DataError` at FILE:LINE otherwise."""
+    for line, rec in itertools.islice(load_records(path), limit):
+        _messages(rec, f"{path}:{line}", prompt_key, response_key, messages_key)
 
 
 def load_sft_dataset(path: str | Path, tokenizer: Any, *, max_length: int,

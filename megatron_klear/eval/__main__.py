@@ -17,14 +17,22 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from megatron_klear.config import TrainConfig, add_layout_flags, layout_from_args
-from megatron_klear.eval.evaluate import evaluate, parse_benchmark, rejudge, write_report
+from megatron_klear.config import ConfigError, OneLineParser, TrainConfig, add_layout_flags, \
+    add_section_flags, layout_from_args, section_from_args
+from megatron_klear.data.prompt_flags import PromptFlags
+from megatron_klear.eval.evaluate import Benchmark, evaluate, parse_benchmark, rejudge, \
+    write_report
+from megatron_klear.rollout.sampling import SamplingParams
+
+# klear-eval's sampling flags on the one sampling contract's fields
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
+                  "max_new_tokens": "--max-new-tokens"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The klear-eval flags."""
-    p = argparse.ArgumentParser(prog="klear-eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="klear-eval", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="HF model dir or megatron-klear checkpoint dir")
     p.add_argument("--hf-config", default=None,
                    help="HF dir giving the tokenizer (and config.json) of a megatron-klear "
@@ -32,17 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmark", action="append", default=[],
                    help="[name=]path.jsonl[@reward] (reward: math, code or pkg.mod:fn; "
                         "default math)")
-    p.add_argument("--prompt-key", default="prompt")
-    p.add_argument("--answer-key", default="answer")
-    p.add_argument("--answer-format", default=None, help="e.g. gsm8k ('#### N' answers)")
-    p.add_argument("--prompt-template", choices=("chat", "raw"), default=None,
-                   help="chat (the tokenizer's chat template) or raw text; default chat when "
-                        "the tokenizer has a template, else raw")
-    p.add_argument("--chat-template", default=None,
-                   help="Jinja chat template file replacing the tokenizer's")
-    p.add_argument("--chat-template-kwargs", default=None,
-                   help="JSON object of chat-template arguments, e.g. "
-                        "'{\"enable_thinking\": false}' (Qwen3's non-thinking mode)")
+    add_section_flags(p, PromptFlags)
     p.add_argument("--k", type=int, default=4, help="samples per problem")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -82,6 +80,39 @@ def resolve_model(model: str, out_dir: Path, layout: TrainConfig | None = None,
                             "megatron-klear checkpoint (latest_checkpointed_iteration.txt)")
 
 
+def sampling_params(args: argparse.Namespace, **request) -> SamplingParams:
+    """The sampling of every benchmark (``request``: stop tokens, ...)."""
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, **request)
+
+
+def check_args(args: argparse.Namespace) -> tuple[PromptFlags, list[Benchmark]]:
+    """Validate the flags and the benchmark files (exist, first records parse, rewards
+    resolve) before any model is converted or server started; returns the prompt flags
+    and the benchmarks. Raises ConfigError / DataError naming the flag or FILE:LINE."""
+    from megatron_klear.rewards import check_reward
+
+    if not args.model or not args.benchmark:
+        raise ConfigError("--model and at least one --benchmark are required "
+                          "(or --rejudge samples.jsonl)")
+    if args.k < 1:
+        raise ConfigError(f"--k must be >= 1, got {args.k}")
+    sampling_params(args).check_flags(SAMPLING_FLAGS)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.yarn_factor and not args.rollout_urls:
+        raise ConfigError("--yarn-factor needs SGLang servers (--rollout-urls started with "
+                          "launch_sglang_servers(yarn_factor=...)); the embedded server has none")
+    prompts = section_from_args(PromptFlags, args)
+    prompts.check_inputs(None)
+    benches = [parse_benchmark(b, prompt_key=prompts.prompt_key, answer_key=prompts.answer_key,
+                               answer_format=prompts.answer_format) for b in args.benchmark]
+    for spec, bench in zip(args.benchmark, benches):
+        prompts.check_prompts("--benchmark", bench.path)
+        check_reward(bench.reward, f"--benchmark {spec}: reward")
+    return prompts, benches
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the evaluation described by the flags and write the report."""
     out = Path(args.out_dir)
@@ -89,28 +120,19 @@ def run(args: argparse.Namespace) -> dict:
         report = rejudge(args.rejudge, k=None)
         write_report(report, out, {"rejudged": args.rejudge})
         return report
-    if not args.model or not args.benchmark:
-        raise FileNotFoundError("--model and at least one --benchmark are required "
-                                "(or --rejudge samples.jsonl)")
-    if args.k < 1:
-        raise ValueError("--k must be >= 1")
+    prompts, benches = check_args(args)
     from megatron_klear.data.prompts import load_tokenizer, parse_chat_template_kwargs
 
-    template_kwargs = parse_chat_template_kwargs(args.chat_template_kwargs)
-    from megatron_klear.rollout.client import RolloutClient, SamplingParams
+    template_kwargs = parse_chat_template_kwargs(prompts.chat_template_kwargs)
+    from megatron_klear.rollout.client import RolloutClient
     from megatron_klear.rollout.launcher import connect, embedded_server_layout, \
         launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = resolve_model(args.model, out, layout_from_args(args), args.hf_config)
-    tokenizer = load_tokenizer(hf_dir, args.prompt_template, args.chat_template, template_kwargs)
-    benches = [parse_benchmark(b, prompt_key=args.prompt_key, answer_key=args.answer_key,
-                               answer_format=args.answer_format) for b in args.benchmark]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, stop_token_ids=[tokenizer.eos_token_id])
-    if args.yarn_factor and not args.rollout_urls:
-        raise ValueError("--yarn-factor needs SGLang servers (--rollout-urls started with "
-                         "launch_sglang_servers(yarn_factor=...)); the embedded server has none")
+    tokenizer = load_tokenizer(hf_dir, prompts.prompt_template, prompts.chat_template,
+                               template_kwargs)
+    params = sampling_params(args, stop_token_ids=[tokenizer.eos_token_id])
     count, threads = embedded_server_layout(args.num_servers)
     servers = (connect(args.rollout_urls) if args.rollout_urls else
                launch_embedded_servers(str(hf_dir), count, seed=args.seed, num_threads=threads))

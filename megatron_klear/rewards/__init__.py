@@ -50,6 +50,17 @@ def get_reward(name: str) -> RewardFn:
                      "or an import path 'package.module:function'")
 
 
+def check_reward(name: str, flag: str = "--reward") -> None:
+    """Raise :class:`~megatron_klear.config.ConfigError` naming ``flag`` when ``name`` is no
+    registered reward and no import path that resolves (the pre-flight check of a run)."""
+    from megatron_klear.config import ConfigError
+
+    try:
+        get_reward(name)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {name}: {exc}") from None
+
+
 def reward_max_score(name: str) -> float:
     """The best score of the reward ``name``: its function's ``max_score`` attribute, else 1."""
     return float(getattr(get_reward(name), "max_score", 1.0))

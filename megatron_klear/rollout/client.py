@@ -28,11 +28,13 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
 import torch
+
+from megatron_klear.rollout.sampling import SamplingParams  # the one sampling contract
 
 __all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError",
            "RoutedExpertsMissing", "sample_seed"]
@@ -61,27 +63,6 @@ class _Aborted(RolloutError):
 def sample_seed(prompt_seed: int, j: int) -> int:
     """The ``sampling_seed`` of sample ``j`` of a prompt seeded ``prompt_seed`` (< 2**31)."""
     return (prompt_seed * 1_000_003 + 7919 * j + 1) % 2**31
-
-
-@dataclass
-class SamplingParams:
-    """Sampling settings of one generate call (SGLang's ``sampling_params``)."""
-
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
-    sampling_seed: int | None = None  # the prompt's seed; sample j uses sample_seed(seed, j)
-    # not a sampling param: the request's return_routed_experts (MoE routing replay)
-    return_routed_experts: bool = False
-
-    def to_sglang(self) -> dict:
-        """The ``sampling_params`` JSON object (unset stop lists omitted)."""
-        return {k: v for k, v in asdict(self).items()
-                if v is not None and k != "return_routed_experts"}
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_klear.rollout.qwen3_decode import KVCache, check_supported, forward
-from megatron_klear.rollout.sampling import (SamplingConfig, find_stop_string, sample_next,
+from megatron_klear.rollout.sampling import (SamplingParams, find_stop_string, sample_next,
                                              seeded_uniforms, token_logprobs)
 
 __all__ = ["Sequence", "Generator"]
@@ -32,7 +32,7 @@ class Sequence:
     """One sample being decoded: prompt, sampling config and what was generated so far."""
 
     prompt_ids: list[int]
-    cfg: SamplingConfig
+    cfg: SamplingParams
     want_input_logprobs: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -277,7 +277,7 @@ class Generator:
                 self._finish(s, {"type": "abort", "message": "Abort before finishing: "
                                  "generation paused with mode='abort'"})
 
-    def decode(self, ids: list[int], cfg: SamplingConfig) -> str:
+    def decode(self, ids: list[int], cfg: SamplingParams) -> str:
         """Detokenise generated ids (special tokens skipped unless the request says not to)."""
         return self.tokenizer.decode(ids, skip_special_tokens=cfg.skip_special_tokens)
 

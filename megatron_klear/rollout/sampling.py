@@ -10,8 +10,8 @@ distribution (temperature 1), as SGLang does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -24,8 +24,11 @@ class RequestError(ValueError):
 
 
 @dataclass
-class SamplingConfig:
-    """The SGLang ``sampling_params`` the embedded server honours, validated."""
+class SamplingParams:
+    """The sampling contract: one request's SGLang ``sampling_params``, as the rollout client
+    sends it and the embedded server honours it. Defaults are SGLang's
+    (sglang/srt/sampling/sampling_params.py); the CLIs map their flags onto these fields
+    (:meth:`check_flags`)."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -36,44 +39,62 @@ class SamplingConfig:
     n: int = 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    sampling_seed: int | None = None
+    sampling_seed: int | None = None  # the prompt's seed; sample j uses sample_seed(seed, j)
+    # not a sampling param: the request's return_routed_experts (MoE routing replay)
+    return_routed_experts: bool = False
+
+    REQUEST_FIELDS: ClassVar[tuple[str, ...]] = ("return_routed_experts",)
+
+    def to_sglang(self) -> dict:
+        """The ``sampling_params`` JSON object (unset seeds and empty stop lists omitted)."""
+        return {k: v for k, v in asdict(self).items()
+                if v is not None and v != [] and k not in self.REQUEST_FIELDS}
 
     @classmethod
-    def from_request(cls, params: Any) -> "SamplingConfig":
+    def from_request(cls, params: Any) -> "SamplingParams":
         """Parse and validate ``sampling_params`` (a dict) or raise :class:`RequestError`."""
         if params is None:
             params = {}
         if not isinstance(params, dict):
             raise RequestError("sampling_params must be a JSON object")
-        known = set(cls.__dataclass_fields__)
+        known = set(cls.__dataclass_fields__) - set(cls.REQUEST_FIELDS)
         cfg = cls(**{k: v for k, v in params.items() if k in known and v is not None})
         if isinstance(cfg.stop, str):
             cfg.stop = [cfg.stop]
-        cfg._validate()
+        for name, rule in cfg.problems():
+            raise RequestError(f"sampling_params.{name} {rule}")
         return cfg
 
-    def _validate(self) -> None:
+    def problems(self) -> list[tuple[str, str]]:
+        """(field, the rule it breaks) for each invalid field, in field order."""
         checks = [
-            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-             "sampling_params.max_new_tokens must be an integer >= 0"),
-            (isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-             "sampling_params.temperature must be a number >= 0"),
-            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-             "sampling_params.top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-             "sampling_params.top_k must be -1 (off) or an integer >= 1"),
-            (isinstance(self.n, int) and self.n >= 1, "sampling_params.n must be an integer >= 1"),
-            (self.sampling_seed is None or isinstance(self.sampling_seed, int),
-             "sampling_params.sampling_seed must be an integer"),
-            (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-             "sampling_params.stop must be a string or a list of non-empty strings"),
-            (isinstance(self.stop_token_ids, list)
+            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+             "must be an integer >= 0"),
+            ("temperature", isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+             "must be a number >= 0"),
+            ("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+             "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+             "must be -1 (off) or an integer >= 1"),
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("sampling_seed", self.sampling_seed is None or isinstance(self.sampling_seed, int),
+             "must be an integer"),
+            ("stop", isinstance(self.stop, list) and all(isinstance(s, str) and s
+                                                         for s in self.stop),
+             "must be a string or a list of non-empty strings"),
+            ("stop_token_ids", isinstance(self.stop_token_ids, list)
              and all(isinstance(t, int) for t in self.stop_token_ids),
-             "sampling_params.stop_token_ids must be a list of integers"),
+             "must be a list of integers"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise RequestError(message)
+        return [(name, rule) for name, ok, rule in checks if not ok]
+
+    def check_flags(self, flags: dict[str, str]) -> None:
+        """Raise :class:`~megatron_klear.config.ConfigError` naming the CLI flag (``flags``:
+        field -> flag) of the first invalid field: one contract, each CLI's flag names."""
+        from megatron_klear.config import ConfigError
+
+        for name, rule in self.problems():
+            raise ConfigError(f"{flags.get(name, name)} {rule}, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -134,7 +155,7 @@ def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return torch.from_numpy(bits.astype(np.float64) / 2.0**53)
 
 
-def sample_next(logprobs: torch.Tensor, configs: list[SamplingConfig],
+def sample_next(logprobs: torch.Tensor, configs: list[SamplingParams],
                 uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row, vectorised: argmax for greedy rows, else the inverse CDF of the
     row's top-k/top-p filtered distribution at that row's uniform draw ``uniforms[row]``."""

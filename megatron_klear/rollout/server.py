@@ -68,7 +68,7 @@ from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.orphans import exit_when_orphaned
 from megatron_klear.rollout.client import encode_routed_experts
 from megatron_klear.rollout.generator import Generator, Sequence
-from megatron_klear.rollout.sampling import RequestError, SamplingConfig
+from megatron_klear.rollout.sampling import RequestError, SamplingParams
 from megatron_klear.rollout.tensor_handles import bucket_tensors, deserialize
 from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, parse_dtype
 
@@ -217,19 +217,19 @@ class RolloutServer:
         return _Request(str(rid), seqs, asyncio.get_running_loop().create_future(),
                         bool(body.get("return_logprob")), start, batched, routed)
 
-    def _sampling_configs(self, params, count: int, batched: bool) -> list[SamplingConfig]:
+    def _sampling_configs(self, params, count: int, batched: bool) -> list[SamplingParams]:
         if not (batched and isinstance(params, list)):
-            return [SamplingConfig.from_request(params)] * count
+            return [SamplingParams.from_request(params)] * count
         if len(params) != count:
             raise RequestError(f"sampling_params: a list of {len(params)} for {count} prompts; "
                                "give one object per prompt or one object for all")
-        cfgs = [SamplingConfig.from_request(p) for p in params]
+        cfgs = [SamplingParams.from_request(p) for p in params]
         if any(c.n > 1 for c in cfgs):
             raise RequestError("sampling_params.n must be 1 for every prompt of a batch request "
                                "(send the n samples as n prompts)")
         return cfgs
 
-    def _check_prompt(self, prompt: list[int], cfg: SamplingConfig, start) -> None:
+    def _check_prompt(self, prompt: list[int], cfg: SamplingParams, start) -> None:
         if len(prompt) + cfg.max_new_tokens > self.gen.context_length:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                f"({cfg.max_new_tokens}) exceeds the context length "
@@ -238,7 +238,7 @@ class RolloutServer:
             raise RequestError(f"logprob_start_len={start!r} must be an integer < the prompt "
                                f"length {len(prompt)} (-1: no input logprobs)")
 
-    def _sequences(self, prompt: list[int], cfg: SamplingConfig,
+    def _sequences(self, prompt: list[int], cfg: SamplingParams,
                    want_input: bool) -> list[Sequence]:
         seqs = [Sequence(list(prompt), cfg, want_input) for _ in range(cfg.n)]
         if cfg.sampling_seed is not None and self.deterministic:

@@ -1,13 +1,19 @@
-"""``--dry-run``: validate a launch without GPUs or data and print its memory plan.
+"""The checks every launch runs before it builds anything, and ``--dry-run``.
 
-Checks the DP size against the launch (``WORLD_SIZE``), the TP/PP/CP split (uneven and
-interleaved stages included) against the model (when ``--hf-checkpoint``'s config.json
-is on this machine), and plans per-GPU memory with
-:mod:`megatron_klear.train.memory`. A plan that does not fit ``--gpu-memory-gb`` fails with
-a :class:`~megatron_klear.config.ConfigError` naming the flags that would make it fit.
-With ``--colocate`` (klear-rl) it plans the phases of a colocated step instead
-(:func:`~megatron_klear.train.memory.plan_colocated`: training with the engines released,
-the weight sync, rollout with the trainer offloaded) and fails when one does not fit.
+:func:`preflight` is the one function a real run and the dry run both call, right after
+the flags parse (which validated them, section by section): the DP size against the launch
+(``WORLD_SIZE``), the model's config.json (the TP/PP/CP split, uneven and interleaved stages
+included, expert parallelism, flags that need an MoE model), the data files and the reward
+(each config section's ``check_inputs_section``); then the values that depend on the
+model are derived. A real run needs ``--hf-checkpoint``'s config.json; the dry run checks
+the model only when it is on this machine.
+
+:func:`dry_run` then plans per-GPU memory with :mod:`megatron_klear.train.memory`. A plan
+that does not fit ``--gpu-memory-gb`` fails with a :class:`~megatron_klear.config.ConfigError`
+naming the flags that would make it fit. With ``--colocate`` (klear-rl) it plans the phases
+of a colocated step instead (:func:`~megatron_klear.train.memory.plan_colocated`: training
+with the engines released, the weight sync, rollout with the trainer offloaded) and fails
+when one does not fit.
 """
 
 from __future__ import annotations
@@ -18,27 +24,56 @@ from pathlib import Path
 
 from megatron_klear.config import TrainConfig, to_dict
 from megatron_klear.models.pipeline_layout import PipelineLayout
-from megatron_klear.models.qwen3 import check_parallel_layout, load_hf_config, \
+from megatron_klear.models.qwen3 import Qwen3Arch, check_parallel_layout, load_hf_config, \
     moe_config_kwargs, qwen3_config_from_hf
 from megatron_klear.train.memory import Workload, check_colocated_fits, check_fits, \
     plan_colocated, plan_memory
 
-__all__ = ["dry_run"]
+__all__ = ["launch_world_size", "model_arch", "preflight", "dry_run"]
+
+
+def launch_world_size(cfg: TrainConfig, dry: bool) -> int:
+    """The processes of this launch: ``WORLD_SIZE``, else one DP replica for a dry run
+    (TP x PP x CP) and one process for a real run."""
+    default = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size * \
+        cfg.context_parallel_size if dry else 1
+    return int(os.environ.get("WORLD_SIZE", default))
+
+
+def model_arch(cfg: TrainConfig, required: bool) -> Qwen3Arch | None:
+    """``--hf-checkpoint``'s architecture, checked against the parallel layout; None when
+    not ``required`` (a dry run) and its config.json is not on this machine."""
+    if not required and not (cfg.hf_checkpoint and
+                             (Path(cfg.hf_checkpoint) / "config.json").is_file()):
+        return None
+    arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
+    check_parallel_layout(arch, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                          PipelineLayout.from_config(arch.num_layers, cfg))
+    moe_config_kwargs(arch, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp,
+                      dispatcher=cfg.moe_token_dispatcher_type)  # raises on a bad EP
+    return arch
+
+
+def preflight(cfg: TrainConfig) -> Qwen3Arch | None:
+    """Check a parsed config against the launch, the model and the files on this machine,
+    then derive the model-dependent values; returns the architecture (None: see
+    :func:`model_arch`). Raises ConfigError / DataError naming the flag or FILE:LINE."""
+    cfg.data_parallel_size(launch_world_size(cfg, cfg.dry_run))
+    arch = model_arch(cfg, required=not cfg.dry_run)
+    cfg.check_inputs(arch)
+    cfg.derive(arch)
+    return arch
 
 
 def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
-    """Print the config and the dry-run report (JSON); raise when the plan does not fit."""
-    world = int(os.environ.get("WORLD_SIZE", cfg.tensor_model_parallel_size *
-                               cfg.pipeline_model_parallel_size * cfg.context_parallel_size))
+    """Print the config and the dry-run report (JSON); raise when the plan does not fit.
+    (The trainers run :func:`preflight` first.)"""
+    world = launch_world_size(cfg, dry=True)
     report: dict = {"world_size": world, "data_parallel_size": cfg.data_parallel_size(world)}
-    plan = arch = None
-    if cfg.hf_checkpoint and (Path(cfg.hf_checkpoint) / "config.json").is_file():
-        arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
-        layout = check_parallel_layout(arch, cfg.tensor_model_parallel_size,
-                                       cfg.pipeline_model_parallel_size,
-                                       PipelineLayout.from_config(arch.num_layers, cfg))
-        moe_config_kwargs(arch, ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp,
-                          dispatcher=cfg.moe_token_dispatcher_type)  # raises on a bad EP
+    arch = model_arch(cfg, required=False)
+    plan = None
+    if arch is not None:
+        layout = PipelineLayout.from_config(arch.num_layers, cfg)
         report["model"] = f"{arch.num_layers} layers, hidden {arch.hidden_size}" + (
             f", {arch.num_experts} experts (top-{arch.num_experts_per_tok}) in "
             f"{len(arch.moe_layers)} layers" if arch.is_moe else "")

@@ -23,7 +23,6 @@ from megatron.core import parallel_state
 
 from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation, \
     old_logprobs, policy_loss_fn, step_means
-from megatron_klear.config import ConfigError
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs
 from megatron_klear.train.async_rollout import RolloutSource
@@ -40,25 +39,19 @@ from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_b
 def train(cfg: RLConfig) -> list[dict]:
     """Run GPPO RL; returns this run's per-step metrics."""
     from megatron_klear.data.prompts import load_prompt_dataset, load_tokenizer
-    from megatron_klear.rollout.client import RolloutClient, SamplingParams
+    from megatron_klear.rollout.client import RolloutClient
 
     arch = model_arch(cfg)
     tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template,
                                parse_chat_template_kwargs(cfg.chat_template_kwargs))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
-    run = start_run(cfg, arch, "consumed_prompts", after_build=cfg.resolve_share_prompts)
+    run = start_run(cfg, arch, "consumed_prompts", after_build=cfg.derive)
     engine = run.engine
     reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
         if cfg.kl_coef else None
     stream = PromptStream(prompts, cfg.seed, run.position)
-    if cfg.use_routing_replay and not arch.is_moe:
-        raise ConfigError(f"--use-routing-replay replays MoE routing, and "
-                          f"{cfg.hf_checkpoint}/config.json is a dense model: drop the flag")
-    params = SamplingParams(n=cfg.n_samples_per_prompt, max_new_tokens=cfg.rollout_max_response_len,
-                            temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p,
-                            stop_token_ids=[tokenizer.eos_token_id],
-                            return_routed_experts=cfg.use_routing_replay)
+    params = cfg.sampling_params(stop_token_ids=[tokenizer.eos_token_id])
     log = open_log(cfg, "rl", run.step)
     with rollout_servers(cfg) as servers:
         client = RolloutClient(servers.urls)
@@ -187,19 +180,13 @@ def trainable_groups(cfg: RLConfig, groups: int, dp: int) -> int:
 def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
     """avg@k / pass@k of the current policy on ``--eval-data`` (rank 0 evaluates)."""
     from megatron_klear.eval.evaluate import Benchmark, evaluate
-    from megatron_klear.rollout.client import SamplingParams
 
     report = None
     if torch.distributed.get_rank() == 0:
         bench = Benchmark(name="eval", path=cfg.eval_data, reward=cfg.reward,
                           prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                           answer_format=cfg.answer_format)
-        params = SamplingParams(max_new_tokens=cfg.rollout_max_response_len,
-                                temperature=cfg.rollout_temperature
-                                if cfg.eval_temperature is None else cfg.eval_temperature,
-                                top_p=cfg.rollout_top_p if cfg.eval_top_p is None
-                                else cfg.eval_top_p,
-                                stop_token_ids=[tokenizer.eos_token_id])
+        params = cfg.eval_sampling_params(stop_token_ids=[tokenizer.eos_token_id])
         report = evaluate(client, tokenizer, [bench], k=cfg.eval_k, params=params,
                           progress=False)["eval"]
     report = broadcast_batch(report)
@@ -218,7 +205,7 @@ def memory_workload(cfg: RLConfig) -> Workload:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``klear-rl``: parse flags, run RL, exit non-zero with a clear message on bad input."""
-    from megatron_klear.cli import trainer_main
+    from megatron_klear.train.main import trainer_main
 
     trainer_main(RLConfig, train, argv, "klear-rl", workload=memory_workload)
 

@@ -1,21 +1,28 @@
-"""``klear-rl``'s settings: every GPPO RL flag (plus the shared trainer flags) and their checks."""
+"""``klear-rl``'s settings: every GPPO RL flag (plus the shared trainer flags) and their checks.
+
+The flags come in sections (config.py's :class:`~megatron_klear.config.Section`): prompts
+(shared with klear-eval), rollout, dynamic sampling, async rollout, sampling, reward,
+policy loss, micro-batches, weight sync, eval, colocation. Each checks its own flags;
+:meth:`RLConfig.derive` sets the values that follow from others.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-
-import torch
 
 from megatron_klear.algo.kl import KL_ESTIMATORS
 from megatron_klear.algo.losses import LOSS_AGGREGATIONS, erc_band
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection
-from megatron_klear.config import ConfigError, TrainConfig, opt
-from megatron_klear.data.prompts import parse_chat_template_kwargs
-from megatron_klear.models.qwen3 import Qwen3Arch
+from megatron_klear.config import ConfigError, Section, TrainConfig, opt
+from megatron_klear.data.prompt_flags import PromptFlags
+from megatron_klear.rewards import check_reward
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
+from megatron_klear.rollout.sampling import SamplingParams
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
 
@@ -27,309 +34,98 @@ def async_share(cores: int) -> int:
     return max(1, cores // 2)
 
 
-
 # --async-inflight -> the /pause_generation mode of every weight sync (SGLang's names)
 INFLIGHT_PAUSE_MODES = {"pause_in_place": "in_place", "pause_retract": "retract",
                         "abort": "abort"}
 
 
 @dataclass
-class RLConfig(TrainConfig):
-    """GPPO RL settings (plus every shared trainer flag). Defaults follow Klear-Reasoner."""
+class RolloutFlags(Section):
+    """The prompts of a step, their samples, and the servers that generate them."""
 
-    trainer_name = "rl"  # recorded in its checkpoints (not a flag)
-
+    title = "rollout"
     prompt_data: str | None = opt(None, "RL prompts: JSONL or Parquet")
-    prompt_key: str = opt("prompt", "prompt field")
-    prompt_template: str | None = opt(None, "prompt rendering: chat (the tokenizer's chat "
-                                      "template) or raw text; default chat when the tokenizer "
-                                      "has a template, else raw", choices=("chat", "raw"))
-    chat_template: str | None = opt(None, "Jinja chat template file replacing the tokenizer's")
-    answer_key: str = opt("answer", "label field (answer for math, tests for code)")
-    answer_format: str | None = opt(None, "label extraction, e.g. gsm8k ('#### N')")
-    reward: str = opt("math", "reward name (math, code) or import path pkg.mod:fn")
     rollout_batch_size: int = opt(128, "prompts per RL step")
     mini_batch_size: int = opt(16, "prompts per optimizer step (16 math, 32 code)")
     n_samples_per_prompt: int = opt(8, "responses per prompt (group size)")
-    rollout_max_response_len: int = opt(256, "max new tokens per response")
     rollout_max_prompt_len: int = opt(1024, "longest prompt in tokens: the --dry-run memory "
                                       "plan budgets for it (sequences are prompt + "
                                       "--rollout-max-response-len), and --truncate-prompt "
                                       "left|error enforces it in training (Klear: 4096, left)")
-    rollout_temperature: float = opt(1.0, "sampling temperature")
-    rollout_top_p: float = opt(1.0, "nucleus sampling")
+    truncate_prompt: str = opt("off", "rendered prompts longer than --rollout-max-prompt-len: "
+                               "left keeps their last tokens (verl's truncation=left, Klear), "
+                               "error stops the run naming the prompt, off lets them through",
+                               choices=("off", "left", "error"))
     rollout_urls: list[str] | None = opt(None, "existing SGLang/embedded servers (else embedded)")
     rollout_num_servers: int | None = opt(None, "embedded servers to start when no "
                                           "--rollout-urls (default: one per core of this node, "
                                           "at most 4; each decodes on cores / servers threads)")
-    loss_type: str = opt("gppo", "policy loss: gppo (CE-GPPO general beta), ppo (PPO-clip with "
-                         "Clip-Higher bounds, DAPO), cispo (MiniMax-M1) or gspo (sequence-level "
-                         "ratio; set --eps-clip-low/high ~3e-4/4e-4); docs/policy_loss.md",
-                         choices=("gppo", "ppo", "cispo", "gspo"))
-    eps_clip_low: float = opt(0.2, "lower clip epsilon")
-    eps_clip_high: float = opt(0.28, "upper clip epsilon (Clip-Higher)")
-    gppo_beta1: float = opt(1.0, "GPPO gradient weight of the low clip")
-    gppo_beta2: float = opt(1.0, "GPPO gradient weight of the high clip")
-    dual_clip: float | None = opt(None, "dual-clip bound c for negative advantages")
-    sft_alpha: float = opt(0.1, "weight of the SFT loss on fully correct responses")
-    advantage_std_norm: bool = opt(True, "divide group advantages by the group std")
-    dynamic_sampling: bool = opt(True, "drop zero-advantage groups and refill the batch")
-    max_sampling_rounds: int = opt(4, "rollout rounds allowed to refill a batch")
-    entropy_ratio_clip: float | None = opt(None, "ERC delta (arXiv 2512.05591), e.g. 0.05: tokens "
-                                           "whose entropy ratio current/old policy leaves "
-                                           "(1-delta, 1+delta) pass no gradient; unset: off")
-    rollout_correction: str = opt("none", "rollout/trainer mismatch correction: truncated IS "
-                                  "(tis), masked IS (mis) or IcePop's two-sided mask (icepop); "
-                                  "docs/policy_loss.md", choices=MODES)
-    rollout_correction_level: str = opt("token", "ratio the correction uses: per token, per "
-                                        "sequence (product) or geometric (mean log-ratio of the "
-                                        "sequence)", choices=LEVELS)
-    rollout_correction_cap: float | None = opt(None, "tis truncates at it, mis/icepop reject "
-                                               "above it (default 2 for tis/mis, 5 for icepop)")
-    rollout_correction_lower: float | None = opt(None, "mis/icepop reject ratios below it "
-                                                 "(default: none for mis, 0.5 for icepop)")
-    tis_cap: float | None = opt(None, "alias of --rollout-correction tis "
-                                "--rollout-correction-level token --rollout-correction-cap C")
-    async_rollout: bool = opt(False, "generate the next steps' batches while this step trains "
-                              "(off-policy by up to --max-staleness weight updates; "
-                              "docs/training.md)")
-    max_staleness: int = opt(1, "with --async-rollout: batches generated ahead, i.e. the most "
-                             "weight updates a trained batch's rollout weights may lag")
-    async_inflight: str = opt("pause_in_place", "with --async-rollout: what a weight update does "
-                              "to requests in flight: SGLang's /pause_generation in_place (keep "
-                              "decoding with the new weights), retract (re-prefill the tokens so "
-                              "far with the new weights), or abort (regenerate them)",
-                              choices=tuple(INFLIGHT_PAUSE_MODES))
-    weight_sync_bucket_mb: int = opt(512, "weight-sync bucket size (MiB)")
-    weight_sync_format: str = opt("flattened_bucket", "one broadcast per bucket, or per tensor "
-                                  "(faster over gloo on CPU: no packing copy)",
-                                  choices=("flattened_bucket", "per_tensor"))
-    weight_sync_master_addr: str | None = opt(None, "address the rollout servers dial to join "
-                                              "the weight-update group (default: this node's "
-                                              "address on the route to the first server)")
-    probe_weights: bool = opt(True, "after each sync, compare server and trainer log-probs")
-    eval_data: str | None = opt(None, "benchmark JSONL for periodic eval")
-    eval_interval: int = opt(0, "evaluate every K steps (0: off)")
-    eval_k: int = opt(4, "samples per eval problem")
-    export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
-    # micro-batching of the rollout sequences
-    max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: pack rollout "
-                                         "sequences (THD, first-fit decreasing) under it; unset: "
-                                         "--micro-batch-size x (--rollout-max-prompt-len + "
-                                         "--rollout-max-response-len), what a padded "
-                                         "micro-batch of the longest sequences holds")
-    pack_sequences: bool = opt(True, "THD packs without padding (--no-pack-sequences: "
-                               "micro-batches right-padded to the longest sequence)")
-    share_prompts: bool | None = opt(None, "carry each prompt once per pack for its n samples "
-                                     "(a tree mask, exact; docs/training.md); default: on with "
-                                     "THD packs in the local spec and plain RoPE, off under "
-                                     "Transformer Engine, whose THD attention cannot express it")
-    chat_template_kwargs: str | None = opt(None, "JSON object of chat-template arguments for "
-                                           "the prompts, e.g. '{\"enable_thinking\": false}'")
-    # rewards scored elsewhere, and shaped (docs/rewards.md)
-    reward_url: str | None = opt(None, "score rewards with this HTTP service instead of "
-                                 "--reward: POST {prompts, responses, labels} -> {rewards}")
-    reward_timeout: float = opt(60.0, "seconds per --reward-url request")
-    reward_retries: int = opt(3, "--reward-url retries after a failed or timed-out request")
-    overlong_buffer_len: int | None = opt(None, "DAPO overlong shaping: responses longer than "
-                                          "--rollout-max-response-len minus this lose reward "
-                                          "linearly, up to --overlong-penalty-factor")
-    overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at "
-                                         "--rollout-max-response-len tokens")
-    # KL to a frozen reference policy (a loss term; docs/policy_loss.md)
-    kl_coef: float = opt(0.0, "weight of the KL(policy || reference) loss term (0: off, no "
-                         "reference forward)")
-    kl_estimator: str = opt("low_var_kl", "per-token KL estimator", choices=KL_ESTIMATORS)
-    ref_load: str | None = opt(None, "reference weights: a checkpoint dir or a Hugging Face "
-                               "dir (default: --hf-checkpoint); e.g. the SFT checkpoint an RL "
-                               "run started from")
 
-    # Klear's released recipe (docs/recipe.md)
-    loss_aggregation: str = opt("token-mean", "how per-token losses become the loss: token-mean "
-                                "(the paper: mean over the mini-batch's tokens), "
-                                "token-mean-micro (Klear's released code: token mean per "
-                                "micro-batch x sequences / per-rank mini-batch size, "
-                                "averaged over DP), seq-mean-token-sum, seq-mean-token-mean "
-                                "(verl's sequence means); the SFT term likewise",
-                                choices=LOSS_AGGREGATIONS)
-    erc_low: float | None = opt(None, "ERC band lower bound of the entropy ratio (with "
-                                "--erc-high; ERC's scripts: 0.95), instead of "
-                                "--entropy-ratio-clip's symmetric 1 - delta")
-    erc_high: float | None = opt(None, "ERC band upper bound of the entropy ratio (with "
-                                 "--erc-low; ERC's scripts: 1.05)")
-    rollout_gen_batch_size: int | None = opt(None, "over-generation: prompts generated per "
-                                             "round (Klear: 256 for --rollout-batch-size 128);"
-                                             " the step trains on the informative groups left,"
-                                             " at most --rollout-batch-size, the last "
-                                             "mini-batch possibly partial; unset or 0 (to "
-                                             "turn a YAML's off): refill to whole mini-batches")
-    max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
-                                     "max_num_gen_batches=1); default --max-sampling-rounds")
-    filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
-                                    "spread in this: reward, or acc (reward == the reward's "
-                                    "maximum: Klear's filter_groups_metric=acc)",
-                                    choices=("reward", "acc"))
-    overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
-                                "group filter (no loss tokens, not in the group advantages)")
+    def validate_section(self) -> None:  # noqa: D102
+        for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
+            if not getattr(self, name):
+                raise ConfigError(f"{flag} is required")
+        for name in ("rollout_batch_size", "mini_batch_size", "rollout_max_prompt_len",
+                     "rollout_num_servers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.rollout_batch_size % self.mini_batch_size:
+            raise ConfigError(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple"
+                              f" of --mini-batch-size {self.mini_batch_size}")
+        if self.n_samples_per_prompt < 2:
+            raise ConfigError("--n-samples-per-prompt must be >= 2 (group advantages)")
+
+    def check_inputs_section(self, model: Any) -> None:  # noqa: D102
+        self.check_prompts("--prompt-data", self.prompt_data)
+
+    step_sequences_flag = "--mini-batch-size x --n-samples-per-prompt"
+
+    @property
+    def step_sequences(self) -> int:
+        """Sequences per optimizer step: a mini-batch of prompts x their samples."""
+        return self.mini_batch_size * self.n_samples_per_prompt
+
+
+@dataclass
+class SamplingFlags(Section):
+    """The rollout's sampling (one :class:`~megatron_klear.rollout.sampling.SamplingParams`
+    contract with klear-eval's --temperature / --top-p / --max-new-tokens)."""
+
+    title = "sampling"
+    rollout_max_response_len: int = opt(256, "max new tokens per response")
+    rollout_temperature: float = opt(1.0, "sampling temperature")
+    rollout_top_p: float = opt(1.0, "nucleus sampling")
+
+    def validate_section(self) -> None:  # noqa: D102
+        self.sampling_params().check_flags({"max_new_tokens": "--rollout-max-response-len",
+                                            "temperature": "--rollout-temperature",
+                                            "top_p": "--rollout-top-p"})
+        if self.rollout_max_response_len < 1:
+            raise ConfigError(f"--rollout-max-response-len must be >= 1, got "
+                              f"{self.rollout_max_response_len}")
+
+    def sampling_params(self, **request: Any) -> SamplingParams:
+        """The rollout's sampling params (``request``: stop tokens, seed, ...)."""
+        return SamplingParams(n=self.n_samples_per_prompt,
+                              max_new_tokens=self.rollout_max_response_len,
+                              temperature=self.rollout_temperature, top_p=self.rollout_top_p,
+                              return_routed_experts=self.use_routing_replay, **request)
+
+
+@dataclass
+class RolloutStageFlags(Section):
+    """The rollout pipeline's stages (rollout/pipeline.py), replaceable by name or import path."""
+
+    title = "rollout stages"
     rollout_stages: list[str] | None = opt(None, "rollout pipeline stages, KIND=NAME or "
                                            "KIND=pkg.mod:fn: generate=, score=, advantages= "
                                            "replace the built-in stage, each filter= adds one "
                                            "before the zero-advantage group filter "
                                            "(docs/rollout.md)")
-    truncate_prompt: str = opt("off", "rendered prompts longer than --rollout-max-prompt-len: "
-                               "left keeps their last tokens (verl's truncation=left, Klear), "
-                               "error stops the run naming the prompt, off lets them through",
-                               choices=("off", "left", "error"))
-    eval_temperature: float | None = opt(None, "--eval-data sampling temperature (Klear: 0.6); "
-                                         "default --rollout-temperature")
-    eval_top_p: float | None = opt(None, "--eval-data nucleus sampling (Klear: 0.95); default "
-                                   "--rollout-top-p")
-    colocate: bool = opt(False, "trainer and rollout engines share the GPUs: engines release "
-                         "their memory while the trainer (offloaded to CPU otherwise) trains, "
-                         "weights go over as tensor handles; docs/rollout.md")
-    sglang_mem_fraction_static: float = opt(0.85, "SGLang's --mem-fraction-static of the rollout "
-                                            "engines: the share of GPU memory for their weights "
-                                            "and KV cache (the --dry-run plan budgets it)")
-    sglang_tp_size: int = opt(1, "TP size of each rollout engine; with --colocate one engine runs "
-                              "per this many GPUs (embedded servers on CPU: one per this many "
-                              "ranks) and the --dry-run plan shards their weights by it")
 
-    def validate_colocation(self) -> None:
-        """``--colocate`` and ``--sglang-mem-fraction-static`` checks."""
-        if not 0 < self.sglang_mem_fraction_static < 1:
-            raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got "
-                              f"{self.sglang_mem_fraction_static}")
-        if self.sglang_tp_size < 1:
-            raise ConfigError(f"--sglang-tp-size must be >= 1, got {self.sglang_tp_size}")
-        if not self.colocate:
-            return
-        if self.rollout_num_servers is not None:
-            raise ConfigError("--rollout-num-servers does not apply with --colocate: one engine "
-                              "runs per --sglang-tp-size ranks; drop it")
-        if self.async_rollout:
-            raise ConfigError("--async-rollout cannot run with --colocate: colocated engines and "
-                              "trainer take turns on the same GPUs, so nothing is generated "
-                              "while the trainer trains; drop one of the two flags")
-        if self.weight_sync_format != "flattened_bucket":
-            raise ConfigError("--colocate passes weights as SGLang flattened buckets of tensor "
-                              "handles; drop --weight-sync-format per_tensor")
-
-    def validate(self) -> None:  # noqa: D102
-        # sequences per optimizer step follow from the mini-batch of prompts
-        self.global_batch_size = self.mini_batch_size * self.n_samples_per_prompt
-        super().validate()
-        parse_chat_template_kwargs(self.chat_template_kwargs)
-        for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
-            if not getattr(self, name):
-                raise ConfigError(f"{flag} is required")
-        if self.rollout_batch_size % self.mini_batch_size:
-            raise ConfigError(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple"
-                              f" of --mini-batch-size {self.mini_batch_size}")
-        if self.loss_type == "gspo" and self.context_parallel_size > 1:
-            raise ConfigError("--loss-type gspo takes each response's mean log-ratio, which a "
-                              "context-parallel rank holds only a slice of: drop "
-                              "--context-parallel-size or use another --loss-type")
-        if self.n_samples_per_prompt < 2:
-            raise ConfigError("--n-samples-per-prompt must be >= 2 (group advantages)")
-        if not 0 < self.eps_clip_low < 1 or self.eps_clip_high <= 0:
-            raise ConfigError("--eps-clip-low must be in (0, 1) and --eps-clip-high > 0")
-        if self.entropy_ratio_clip is not None and not self.entropy_ratio_clip > 0:
-            raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
-                              f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
-        try:
-            erc_band(self.entropy_ratio_clip, self.erc_low, self.erc_high)
-        except ValueError:
-            raise ConfigError(f"ERC's band: give --entropy-ratio-clip DELTA, or both --erc-low "
-                              f"and --erc-high with 0 <= low < high (e.g. 0.95 1.05), not both "
-                              f"forms; got delta {self.entropy_ratio_clip}, low {self.erc_low},"
-                              f" high {self.erc_high}") from None
-        self.correction()
-        self.validate_generation()
-        self.validate_rollout_stages()
-        self.validate_tools()
-        self.overlong_shaping()
-        if self.kl_coef < 0:
-            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
-        if self.ref_load and not self.kl_coef:
-            raise ConfigError("--ref-load is the reference of the KL term: set --kl-coef > 0 "
-                              "or drop --ref-load")
-        if self.reward_timeout <= 0 or self.reward_retries < 0:
-            raise ConfigError("--reward-timeout must be > 0 and --reward-retries >= 0")
-        if self.async_rollout and self.cpu_threads is None:
-            self.cpu_threads = async_share(cpu_threads())
-        if self.max_staleness < 1:
-            raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
-                              f"--async-rollout), got {self.max_staleness}")
-        if not self.async_rollout and (self.max_staleness != 1
-                                       or self.async_inflight != "pause_in_place"):
-            raise ConfigError("--max-staleness and --async-inflight apply to --async-rollout only; "
-                              "add --async-rollout or drop them")
-        if self.max_tokens_per_gpu is not None:
-            if self.max_tokens_per_gpu < 2:
-                raise ConfigError(f"--max-tokens-per-gpu must be >= 2, got "
-                                  f"{self.max_tokens_per_gpu}")
-            if not self.pack_sequences:
-                raise ConfigError("--max-tokens-per-gpu packs sequences; drop "
-                                  "--no-pack-sequences")
-        if self.context_parallel_size > 1 and self.pack_sequences:
-            raise ConfigError(f"--context-parallel-size {self.context_parallel_size}: "
-                              f"{THD_CP_UNSUPPORTED}; add --no-pack-sequences (padded "
-                              "micro-batches) or drop context parallelism")
-        if self.share_prompts and (not self.pack_sequences
-                                   or self.transformer_impl != "local"):
-            raise ConfigError("--share-prompts needs THD packs in the local spec (Transformer "
-                              "Engine's THD attention cannot express its tree mask): drop "
-                              "--no-pack-sequences / use --transformer-impl local, or drop "
-                              "--share-prompts")
-        self.validate_colocation()
-
-    def resolve_share_prompts(self, arch: Qwen3Arch) -> bool:
-        """Settle ``--share-prompts`` for ``arch``: as given, or by default on wherever its
-        tree mask is exact and runs (THD packs, the local spec, plain RoPE)."""
-        if self.share_prompts and arch.rope_scaling:
-            raise ConfigError(f"--share-prompts continues a prompt's RoPE positions in its "
-                              f"samples' branches, which needs plain RoPE; {self.hf_checkpoint}"
-                              "/config.json sets rope_scaling: drop --share-prompts")
-        if self.share_prompts is None:
-            self.share_prompts = (self.pack_sequences and self.transformer_impl == "local"
-                                  and not arch.rope_scaling)
-            if self.transformer_impl != "local" and torch.distributed.get_rank() == 0:
-                print("notice: prompt sharing is off: Transformer Engine's THD attention cannot "
-                      "express its tree mask (--transformer-impl local shares prompts)",
-                      file=sys.stderr)
-        return self.share_prompts
-
-    def overlong_shaping(self) -> OverlongShaping | None:
-        """DAPO's overlong reward shaping, or None without ``--overlong-buffer-len``."""
-        if self.overlong_buffer_len is None:
-            return None
-        try:
-            return OverlongShaping(self.rollout_max_response_len, self.overlong_buffer_len,
-                                   self.overlong_penalty_factor)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def remote_reward(self) -> RemoteReward | None:
-        """The ``--reward-url`` service, or None (rewards scored here by ``--reward``)."""
-        if not self.reward_url:
-            return None
-        return RemoteReward(self.reward_url, self.reward_timeout, self.reward_retries)
-
-    def validate_generation(self) -> None:
-        """Over-generation flags (Klear's recipe, docs/recipe.md)."""
-        if self.rollout_gen_batch_size == 0:  # a command line's "off" over a YAML's value
-            self.rollout_gen_batch_size = None
-        gen = self.rollout_gen_batch_size
-        if gen is not None and (gen < self.rollout_batch_size or not self.dynamic_sampling):
-            raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
-                              f"sampling: it needs --dynamic-sampling and >= "
-                              f"--rollout-batch-size {self.rollout_batch_size}")
-        if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
-            raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
-                              f"{self.max_gen_rounds}")
-
-    def validate_rollout_stages(self) -> None:
-        """``--rollout-stages``: each entry well formed, its stage registered or importable."""
+    def validate_section(self) -> None:
+        """Each entry well formed, its stage registered or importable."""
         from megatron_klear.rollout.pipeline import build_pipeline
 
         try:
@@ -337,28 +133,12 @@ class RLConfig(TrainConfig):
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def correction(self) -> RolloutCorrection | None:
-        """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
-        if self.tis_cap is not None:
-            if self.rollout_correction != "none":
-                raise ConfigError("--tis-cap C is an alias of --rollout-correction tis "
-                                  "--rollout-correction-level token --rollout-correction-cap C;"
-                                  " give one or the other")
-            if not self.tis_cap > 0:
-                raise ConfigError(f"--tis-cap must be > 0, got {self.tis_cap}")
-            return RolloutCorrection("tis", "token", self.tis_cap)
-        if self.rollout_correction == "none":
-            if self.rollout_correction_cap is not None or self.rollout_correction_lower is not None:
-                raise ConfigError("--rollout-correction-cap / --rollout-correction-lower need "
-                                  "--rollout-correction tis, mis or icepop")
-            return None
-        try:
-            return RolloutCorrection(self.rollout_correction, self.rollout_correction_level,
-                                     self.rollout_correction_cap, self.rollout_correction_lower)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
-    # ---- multi-turn tool rollouts (issue 40; docs/rollout.md): flags, checks, the config
+@dataclass
+class ToolFlags(Section):
+    """Multi-turn tool rollouts (issue 40; rollout/multi_turn.py, docs/rollout.md)."""
+
+    title = "multi-turn tools"
     tools: list[str] | None = opt(None, "multi-turn tool rollouts with these tools: python (runs "
                                   "the model's code in the sandbox) and/or user tools by "
                                   "import path pkg.mod:fn (a function with a JSON schema, "
@@ -373,8 +153,8 @@ class RLConfig(TrainConfig):
     tool_timeout: float = opt(5.0, "with --tools: wall seconds per tool call (then an error "
                               "message to the model)")
 
-    def validate_tools(self) -> None:
-        """The ``--tools`` block: tools load, the parser exists, limits are positive."""
+    def validate_section(self) -> None:
+        """Tools load, the parser exists, limits are positive."""
         if not self.tools:
             return
         if self.max_turns < 1 or self.max_tool_response_tokens < 1 or not self.tool_timeout > 0:
@@ -409,3 +189,377 @@ class RLConfig(TrainConfig):
                                max_response_tokens=self.rollout_max_response_len,
                                max_tool_response_tokens=self.max_tool_response_tokens,
                                tool_wall_s=self.tool_timeout)
+
+
+@dataclass
+class DynamicSamplingFlags(Section):
+    """Dropping uninformative groups, refilling and over-generating (Klear's recipe)."""
+
+    title = "dynamic sampling"
+    advantage_std_norm: bool = opt(True, "divide group advantages by the group std")
+    dynamic_sampling: bool = opt(True, "drop zero-advantage groups and refill the batch")
+    max_sampling_rounds: int = opt(4, "rollout rounds allowed to refill a batch")
+    rollout_gen_batch_size: int | None = opt(None, "over-generation: prompts generated per "
+                                             "round (Klear: 256 for --rollout-batch-size 128);"
+                                             " the step trains on the informative groups left,"
+                                             " at most --rollout-batch-size, the last "
+                                             "mini-batch possibly partial; unset or 0 (to "
+                                             "turn a YAML's off): refill to whole mini-batches")
+    max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
+                                     "max_num_gen_batches=1); default --max-sampling-rounds")
+    filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
+                                    "spread in this: reward, or acc (reward == the reward's "
+                                    "maximum: Klear's filter_groups_metric=acc)",
+                                    choices=("reward", "acc"))
+    overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
+                                "group filter (no loss tokens, not in the group advantages)")
+
+    def validate_section(self) -> None:
+        """Over-generation flags (Klear's recipe, docs/recipe.md); 0 is "off"."""
+        gen = self.rollout_gen_batch_size
+        if gen and (gen < self.rollout_batch_size or not self.dynamic_sampling):
+            raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
+                              f"sampling: it needs --dynamic-sampling and >= "
+                              f"--rollout-batch-size {self.rollout_batch_size}")
+        if gen is not None and gen < 0:
+            raise ConfigError(f"--rollout-gen-batch-size must be >= 0 (0: off), got {gen}")
+        if self.max_sampling_rounds < 1:
+            raise ConfigError(f"--max-sampling-rounds must be >= 1, got "
+                              f"{self.max_sampling_rounds}")
+        if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
+            raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
+                              f"{self.max_gen_rounds}")
+
+
+@dataclass
+class AsyncRolloutFlags(Section):
+    """Generating ahead while the trainer trains."""
+
+    title = "async rollout"
+    async_rollout: bool = opt(False, "generate the next steps' batches while this step trains "
+                              "(off-policy by up to --max-staleness weight updates; "
+                              "docs/training.md)")
+    max_staleness: int = opt(1, "with --async-rollout: batches generated ahead, i.e. the most "
+                             "weight updates a trained batch's rollout weights may lag")
+    async_inflight: str = opt("pause_in_place", "with --async-rollout: what a weight update does "
+                              "to requests in flight: SGLang's /pause_generation in_place (keep "
+                              "decoding with the new weights), retract (re-prefill the tokens so "
+                              "far with the new weights), or abort (regenerate them)",
+                              choices=tuple(INFLIGHT_PAUSE_MODES))
+
+    def validate_section(self) -> None:  # noqa: D102
+        if self.max_staleness < 1:
+            raise ConfigError(f"--max-staleness must be >= 1 (batches generated ahead with "
+                              f"--async-rollout), got {self.max_staleness}")
+        if not self.async_rollout and (self.max_staleness != 1
+                                       or self.async_inflight != "pause_in_place"):
+            raise ConfigError("--max-staleness and --async-inflight apply to --async-rollout only; "
+                              "add --async-rollout or drop them")
+
+
+@dataclass
+class RewardFlags(Section):
+    """How responses are scored: a reward function here or an HTTP service, and shaping."""
+
+    title = "reward"
+    reward: str = opt("math", "reward name (math, code) or import path pkg.mod:fn")
+    # rewards scored elsewhere, and shaped (docs/rewards.md)
+    reward_url: str | None = opt(None, "score rewards with this HTTP service instead of "
+                                 "--reward: POST {prompts, responses, labels} -> {rewards}")
+    reward_timeout: float = opt(60.0, "seconds per --reward-url request")
+    reward_retries: int = opt(3, "--reward-url retries after a failed or timed-out request")
+    overlong_buffer_len: int | None = opt(None, "DAPO overlong shaping: responses longer than "
+                                          "--rollout-max-response-len minus this lose reward "
+                                          "linearly, up to --overlong-penalty-factor")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at "
+                                         "--rollout-max-response-len tokens")
+
+    def validate_section(self) -> None:  # noqa: D102
+        if self.reward_timeout <= 0 or self.reward_retries < 0:
+            raise ConfigError("--reward-timeout must be > 0 and --reward-retries >= 0")
+        self.overlong_shaping()
+
+    def check_inputs_section(self, model: Any) -> None:
+        """The reward resolves: a registered name, or an import path that imports."""
+        check_reward(self.reward)
+
+    def overlong_shaping(self) -> OverlongShaping | None:
+        """DAPO's overlong reward shaping, or None without ``--overlong-buffer-len``."""
+        if self.overlong_buffer_len is None:
+            return None
+        try:
+            return OverlongShaping(self.rollout_max_response_len, self.overlong_buffer_len,
+                                   self.overlong_penalty_factor)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def remote_reward(self) -> RemoteReward | None:
+        """The ``--reward-url`` service, or None (rewards scored here by ``--reward``)."""
+        if not self.reward_url:
+            return None
+        return RemoteReward(self.reward_url, self.reward_timeout, self.reward_retries)
+
+
+@dataclass
+class PolicyLossFlags(Section):
+    """The policy loss, its aggregation, the SFT and KL terms, and rollout corrections."""
+
+    title = "policy loss"
+    loss_type: str = opt("gppo", "policy loss: gppo (CE-GPPO general beta), ppo (PPO-clip with "
+                         "Clip-Higher bounds, DAPO), cispo (MiniMax-M1) or gspo (sequence-level "
+                         "ratio; set --eps-clip-low/high ~3e-4/4e-4); docs/policy_loss.md",
+                         choices=("gppo", "ppo", "cispo", "gspo"))
+    eps_clip_low: float = opt(0.2, "lower clip epsilon")
+    eps_clip_high: float = opt(0.28, "upper clip epsilon (Clip-Higher)")
+    gppo_beta1: float = opt(1.0, "GPPO gradient weight of the low clip")
+    gppo_beta2: float = opt(1.0, "GPPO gradient weight of the high clip")
+    dual_clip: float | None = opt(None, "dual-clip bound c for negative advantages")
+    sft_alpha: float = opt(0.1, "weight of the SFT loss on fully correct responses")
+    # Klear's released recipe (docs/recipe.md)
+    loss_aggregation: str = opt("token-mean", "how per-token losses become the loss: token-mean "
+                                "(the paper: mean over the mini-batch's tokens), "
+                                "token-mean-micro (Klear's released code: token mean per "
+                                "micro-batch x sequences / per-rank mini-batch size, "
+                                "averaged over DP), seq-mean-token-sum, seq-mean-token-mean "
+                                "(verl's sequence means); the SFT term likewise",
+                                choices=LOSS_AGGREGATIONS)
+    entropy_ratio_clip: float | None = opt(None, "ERC delta (arXiv 2512.05591), e.g. 0.05: tokens "
+                                           "whose entropy ratio current/old policy leaves "
+                                           "(1-delta, 1+delta) pass no gradient; unset: off")
+    erc_low: float | None = opt(None, "ERC band lower bound of the entropy ratio (with "
+                                "--erc-high; ERC's scripts: 0.95), instead of "
+                                "--entropy-ratio-clip's symmetric 1 - delta")
+    erc_high: float | None = opt(None, "ERC band upper bound of the entropy ratio (with "
+                                 "--erc-low; ERC's scripts: 1.05)")
+    rollout_correction: str = opt("none", "rollout/trainer mismatch correction: truncated IS "
+                                  "(tis), masked IS (mis) or IcePop's two-sided mask (icepop); "
+                                  "docs/policy_loss.md", choices=MODES)
+    rollout_correction_level: str = opt("token", "ratio the correction uses: per token, per "
+                                        "sequence (product) or geometric (mean log-ratio of the "
+                                        "sequence)", choices=LEVELS)
+    rollout_correction_cap: float | None = opt(None, "tis truncates at it, mis/icepop reject "
+                                               "above it (default 2 for tis/mis, 5 for icepop)")
+    rollout_correction_lower: float | None = opt(None, "mis/icepop reject ratios below it "
+                                                 "(default: none for mis, 0.5 for icepop)")
+    tis_cap: float | None = opt(None, "alias of --rollout-correction tis "
+                                "--rollout-correction-level token --rollout-correction-cap C")
+    # KL to a frozen reference policy (a loss term; docs/policy_loss.md)
+    kl_coef: float = opt(0.0, "weight of the KL(policy || reference) loss term (0: off, no "
+                         "reference forward)")
+    kl_estimator: str = opt("low_var_kl", "per-token KL estimator", choices=KL_ESTIMATORS)
+    ref_load: str | None = opt(None, "reference weights: a checkpoint dir or a Hugging Face "
+                               "dir (default: --hf-checkpoint); e.g. the SFT checkpoint an RL "
+                               "run started from")
+
+    def validate_section(self) -> None:  # noqa: D102
+        if self.loss_type == "gspo" and self.context_parallel_size > 1:
+            raise ConfigError("--loss-type gspo takes each response's mean log-ratio, which a "
+                              "context-parallel rank holds only a slice of: drop "
+                              "--context-parallel-size or use another --loss-type")
+        if not 0 < self.eps_clip_low < 1 or self.eps_clip_high <= 0:
+            raise ConfigError("--eps-clip-low must be in (0, 1) and --eps-clip-high > 0")
+        if self.entropy_ratio_clip is not None and not self.entropy_ratio_clip > 0:
+            raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
+                              f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
+        try:
+            erc_band(self.entropy_ratio_clip, self.erc_low, self.erc_high)
+        except ValueError:
+            raise ConfigError(f"ERC's band: give --entropy-ratio-clip DELTA, or both --erc-low "
+                              f"and --erc-high with 0 <= low < high (e.g. 0.95 1.05), not both "
+                              f"forms; got delta {self.entropy_ratio_clip}, low {self.erc_low},"
+                              f" high {self.erc_high}") from None
+        self.correction()
+        if self.kl_coef < 0:
+            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.ref_load and not self.kl_coef:
+            raise ConfigError("--ref-load is the reference of the KL term: set --kl-coef > 0 "
+                              "or drop --ref-load")
+
+    def check_inputs_section(self, model: Any) -> None:  # noqa: D102
+        if self.ref_load and not Path(self.ref_load).is_dir():
+            raise ConfigError(f"--ref-load {self.ref_load}: no such directory (a checkpoint "
+                              "dir or a Hugging Face dir)")
+
+    def correction(self) -> RolloutCorrection | None:
+        """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
+        if self.tis_cap is not None:
+            if self.rollout_correction != "none":
+                raise ConfigError("--tis-cap C is an alias of --rollout-correction tis "
+                                  "--rollout-correction-level token --rollout-correction-cap C;"
+                                  " give one or the other")
+            if not self.tis_cap > 0:
+                raise ConfigError(f"--tis-cap must be > 0, got {self.tis_cap}")
+            return RolloutCorrection("tis", "token", self.tis_cap)
+        if self.rollout_correction == "none":
+            if self.rollout_correction_cap is not None or self.rollout_correction_lower is not None:
+                raise ConfigError("--rollout-correction-cap / --rollout-correction-lower need "
+                                  "--rollout-correction tis, mis or icepop")
+            return None
+        try:
+            return RolloutCorrection(self.rollout_correction, self.rollout_correction_level,
+                                     self.rollout_correction_cap, self.rollout_correction_lower)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass
+class MicroBatchFlags(Section):
+    """How rollout sequences become micro-batches: padding, THD packs, shared prompts."""
+
+    title = "micro-batches"
+    max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: pack rollout "
+                                         "sequences (THD, first-fit decreasing) under it; unset: "
+                                         "--micro-batch-size x (--rollout-max-prompt-len + "
+                                         "--rollout-max-response-len), what a padded "
+                                         "micro-batch of the longest sequences holds")
+    pack_sequences: bool = opt(True, "THD packs without padding (--no-pack-sequences: "
+                               "micro-batches right-padded to the longest sequence)")
+    share_prompts: bool | None = opt(None, "carry each prompt once per pack for its n samples "
+                                     "(a tree mask, exact; docs/training.md); default: on with "
+                                     "THD packs in the local spec and plain RoPE, off under "
+                                     "Transformer Engine, whose THD attention cannot express it")
+
+    def validate_section(self) -> None:  # noqa: D102
+        if self.max_tokens_per_gpu is not None:
+            if self.max_tokens_per_gpu < 2:
+                raise ConfigError(f"--max-tokens-per-gpu must be >= 2, got "
+                                  f"{self.max_tokens_per_gpu}")
+            if not self.pack_sequences:
+                raise ConfigError("--max-tokens-per-gpu packs sequences; drop "
+                                  "--no-pack-sequences")
+        if self.context_parallel_size > 1 and self.pack_sequences:
+            raise ConfigError(f"--context-parallel-size {self.context_parallel_size}: "
+                              f"{THD_CP_UNSUPPORTED}; add --no-pack-sequences (padded "
+                              "micro-batches) or drop context parallelism")
+        if self.share_prompts and (not self.pack_sequences
+                                   or self.transformer_impl != "local"):
+            raise ConfigError("--share-prompts needs THD packs in the local spec (Transformer "
+                              "Engine's THD attention cannot express its tree mask): drop "
+                              "--no-pack-sequences / use --transformer-impl local, or drop "
+                              "--share-prompts")
+
+    def check_inputs_section(self, model: Any) -> None:  # noqa: D102
+        if self.share_prompts and model is not None and model.rope_scaling:
+            raise ConfigError(f"--share-prompts continues a prompt's RoPE positions in its "
+                              f"samples' branches, which needs plain RoPE; {self.hf_checkpoint}"
+                              "/config.json sets rope_scaling: drop --share-prompts")
+
+
+@dataclass
+class WeightSyncFlags(Section):
+    """Pushing the trainer's weights to the rollout servers, and checking them."""
+
+    title = "weight sync"
+    weight_sync_bucket_mb: int = opt(512, "weight-sync bucket size (MiB)")
+    weight_sync_format: str = opt("flattened_bucket", "one broadcast per bucket, or per tensor "
+                                  "(faster over gloo on CPU: no packing copy)",
+                                  choices=("flattened_bucket", "per_tensor"))
+    weight_sync_master_addr: str | None = opt(None, "address the rollout servers dial to join "
+                                              "the weight-update group (default: this node's "
+                                              "address on the route to the first server)")
+    probe_weights: bool = opt(True, "after each sync, compare server and trainer log-probs")
+
+    def validate_section(self) -> None:  # noqa: D102
+        if self.weight_sync_bucket_mb < 1:
+            raise ConfigError(f"--weight-sync-bucket-mb must be >= 1, got "
+                              f"{self.weight_sync_bucket_mb}")
+
+
+@dataclass
+class EvalFlags(Section):
+    """Periodic evaluation on a benchmark during training."""
+
+    title = "eval"
+    eval_data: str | None = opt(None, "benchmark JSONL for periodic eval")
+    eval_interval: int = opt(0, "evaluate every K steps (0: off)")
+    eval_k: int = opt(4, "samples per eval problem")
+    eval_temperature: float | None = opt(None, "--eval-data sampling temperature (Klear: 0.6); "
+                                         "default --rollout-temperature")
+    eval_top_p: float | None = opt(None, "--eval-data nucleus sampling (Klear: 0.95); default "
+                                   "--rollout-top-p")
+
+    def validate_section(self) -> None:  # noqa: D102
+        if self.eval_interval < 0 or self.eval_k < 1:
+            raise ConfigError("--eval-interval must be >= 0 and --eval-k >= 1")
+        self.eval_sampling_params().check_flags({"temperature": "--eval-temperature",
+                                                 "top_p": "--eval-top-p"})
+
+    def check_inputs_section(self, model: Any) -> None:  # noqa: D102
+        if self.eval_data:
+            self.check_prompts("--eval-data", self.eval_data)
+
+    def eval_sampling_params(self, **request: Any) -> SamplingParams:
+        """Sampling of ``--eval-data``: the rollout's, with the eval temperature / top-p."""
+        return SamplingParams(max_new_tokens=self.rollout_max_response_len,
+                              temperature=self.rollout_temperature
+                              if self.eval_temperature is None else self.eval_temperature,
+                              top_p=self.rollout_top_p if self.eval_top_p is None
+                              else self.eval_top_p, **request)
+
+
+@dataclass
+class ColocationFlags(Section):
+    """Trainer and rollout engines on the same GPUs (docs/rollout.md)."""
+
+    title = "colocation"
+    colocate: bool = opt(False, "trainer and rollout engines share the GPUs: engines release "
+                         "their memory while the trainer (offloaded to CPU otherwise) trains, "
+                         "weights go over as tensor handles; docs/rollout.md")
+    sglang_mem_fraction_static: float = opt(0.85, "SGLang's --mem-fraction-static of the rollout "
+                                            "engines: the share of GPU memory for their weights "
+                                            "and KV cache (the --dry-run plan budgets it)")
+    sglang_tp_size: int = opt(1, "TP size of each rollout engine; with --colocate one engine runs "
+                              "per this many GPUs (embedded servers on CPU: one per this many "
+                              "ranks) and the --dry-run plan shards their weights by it")
+
+    def validate_section(self) -> None:
+        """``--colocate`` and ``--sglang-mem-fraction-static`` checks."""
+        if not 0 < self.sglang_mem_fraction_static < 1:
+            raise ConfigError(f"--sglang-mem-fraction-static must be in (0, 1), got "
+                              f"{self.sglang_mem_fraction_static}")
+        if self.sglang_tp_size < 1:
+            raise ConfigError(f"--sglang-tp-size must be >= 1, got {self.sglang_tp_size}")
+        if not self.colocate:
+            return
+        if self.rollout_num_servers is not None:
+            raise ConfigError("--rollout-num-servers does not apply with --colocate: one engine "
+                              "runs per --sglang-tp-size ranks; drop it")
+        if self.async_rollout:
+            raise ConfigError("--async-rollout cannot run with --colocate: colocated engines and "
+                              "trainer take turns on the same GPUs, so nothing is generated "
+                              "while the trainer trains; drop one of the two flags")
+        if self.weight_sync_format != "flattened_bucket":
+            raise ConfigError("--colocate passes weights as SGLang flattened buckets of tensor "
+                              "handles; drop --weight-sync-format per_tensor")
+
+
+@dataclass
+class RLConfig(ToolFlags, ColocationFlags, EvalFlags, WeightSyncFlags, MicroBatchFlags,
+               PolicyLossFlags, RewardFlags, AsyncRolloutFlags, DynamicSamplingFlags,
+               RolloutStageFlags, SamplingFlags, RolloutFlags, PromptFlags, TrainConfig):
+    """GPPO RL settings (plus every shared trainer flag). Defaults follow Klear-Reasoner."""
+
+    trainer_name = "rl"  # recorded in its checkpoints (not a flag)
+    unread_flags = {
+        "global_batch_size": "klear-rl trains --mini-batch-size x --n-samples-per-prompt "
+                             "sequences per optimizer step",
+        "seq_length": "klear-rl's sequences are --rollout-max-prompt-len + "
+                      "--rollout-max-response-len tokens (THD packs of --max-tokens-per-gpu)"}
+
+    def derive(self, model: Any = None) -> None:
+        """The values that follow from others, after validation: sequences per optimizer
+        step, a YAML's over-generation turned off by 0, each side's cores under
+        ``--async-rollout``, and (with ``model``, the checkpoint's architecture) the
+        ``--share-prompts`` default."""
+        self.global_batch_size = self.step_sequences
+        if self.rollout_gen_batch_size == 0:  # a command line's "off" over a YAML's value
+            self.rollout_gen_batch_size = None
+        if self.async_rollout and self.cpu_threads is None:
+            self.cpu_threads = async_share(cpu_threads())
+        if model is not None and self.share_prompts is None:
+            self.share_prompts = (self.pack_sequences and self.transformer_impl == "local"
+                                  and not model.rope_scaling)
+            if self.transformer_impl != "local" and os.environ.get("RANK", "0") == "0":
+                print("notice: prompt sharing is off: Transformer Engine's THD attention cannot "
+                      "express its tree mask (--transformer-impl local shares prompts)",
+                      file=sys.stderr)

@@ -117,7 +117,7 @@ def memory_workload(cfg: SFTConfig) -> Workload:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``klear-sft``: parse flags, run SFT, exit non-zero with a clear message on bad input."""
-    from megatron_klear.cli import trainer_main
+    from megatron_klear.train.main import trainer_main
 
     trainer_main(SFTConfig, train, argv, "klear-sft", workload=memory_workload)
 

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from megatron_klear.config import ConfigError, TrainConfig, opt
-from megatron_klear.data.prompts import parse_chat_template_kwargs
+from megatron_klear.config import ConfigError, Section, TrainConfig, opt
+from megatron_klear.data.prompt_flags import FIRST_RECORDS, TemplateFlags, check_data_file
+from megatron_klear.data.sft import check_sft_records
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 
 
 @dataclass
-class SFTConfig(TrainConfig):
-    """SFT settings (plus every shared trainer flag)."""
+class SFTDataFlags(Section):
+    """The SFT records and how they become bins."""
 
-    trainer_name = "sft"  # recorded in its checkpoints (not a flag)
-
+    title = "SFT data"
     data_path: str | None = opt(None, "SFT data: JSONL or Parquet of prompt/response or messages")
     prompt_key: str = opt("prompt", "prompt field of a record")
     response_key: str = opt("response", "response field of a record")
@@ -25,13 +26,8 @@ class SFTConfig(TrainConfig):
     max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: bins of at most "
                                          "this many tokens, one bin per micro-batch (unset: bins "
                                          "of --seq-length, --micro-batch-size bins per pack)")
-    export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
-    chat_template_kwargs: str | None = opt(None, "JSON object of chat-template arguments, e.g. "
-                                           "'{\"enable_thinking\": false}' (Qwen3)")
 
-    def validate(self) -> None:  # noqa: D102
-        super().validate()
-        parse_chat_template_kwargs(self.chat_template_kwargs)
+    def validate_section(self) -> None:  # noqa: D102
         if not self.data_path:
             raise ConfigError("--data-path is required (JSONL or Parquet SFT data)")
         if not self.hf_checkpoint:
@@ -49,7 +45,22 @@ class SFTConfig(TrainConfig):
                 raise ConfigError("--max-tokens-per-gpu makes each micro-batch one bin: set "
                                   "--micro-batch-size 1")
 
+    def check_inputs_section(self, model: Any) -> None:
+        """``--data-path`` exists and its first records hold conversations (FILE:LINE)."""
+        check_data_file("--data-path", self.data_path)
+        check_sft_records(self.data_path, FIRST_RECORDS, prompt_key=self.prompt_key,
+                          response_key=self.response_key, messages_key=self.messages_key)
+
     @property
     def bin_size(self) -> int:
         """Next-token positions per bin."""
         return self.max_tokens_per_gpu or self.seq_length
+
+
+@dataclass
+class SFTConfig(SFTDataFlags, TemplateFlags, TrainConfig):
+    """SFT settings (plus every shared trainer flag)."""
+
+    trainer_name = "sft"  # recorded in its checkpoints (not a flag)
+    unread_flags = {"use_routing_replay": "routing replay trains on the experts a rollout "
+                                          "chose (klear-rl)"}

@@ -1,0 +1,229 @@
+"""Bad command lines and data files end with exit 2 and one line naming the flag or
+FILE:LINE, in ``--dry-run`` and in the real run alike, before anything is built (issue 39).
+
+The rows of the issue's table run through the real CLIs (``python -m ...``); the dry run
+and the real run of a row start side by side. The model is a tiny config.json (no
+weights): a run that got past its checks would fail on the missing weights, not with a
+one-line exit 2.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_klear.config import ConfigError, parse_config
+from megatron_klear.models.tiny import tiny_qwen3_config, tiny_qwen3_moe_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "klear_8b"
+
+
+def _jsonl(path: Path, records: list, tail: str = "") -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    """A dense and an MoE config.json, good prompts, prompts with a torn 3rd line, and a
+    file of 100 good prompts cut short in its last line."""
+    d = tmp_path_factory.mktemp("inputs")
+    models = {}
+    for name, cfg in (("dense", tiny_qwen3_config()), ("moe", tiny_qwen3_moe_config())):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(cfg))
+        models[name] = str(d / name)
+    good = [{"prompt": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(100)]
+    return {**models, "dir": d,
+            "good": _jsonl(d / "good.jsonl", good[:8]),
+            "torn": _jsonl(d / "torn.jsonl", good[:2], '{"prompt": "3 + 1 = ?", "ans\n'
+                           + json.dumps(good[3]) + "\n"),
+            "cut": _jsonl(d / "cut.jsonl", good, '{"prompt": "100 + 1'),
+            "sft_torn": _jsonl(d / "sft.jsonl", [{"prompt": "a", "response": "b"}],
+                               '{"prompt": "c", "respo\n')}
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _start(module: str, argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *argv], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _one_line_exit_2(proc: subprocess.Popen, wants: str) -> str:
+    _, err = proc.communicate(timeout=600)
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, err[-3000:])
+    assert wants in lines[0], lines[0]
+    return lines[0]
+
+
+def _rows(i: dict) -> list[tuple[str, list[str], str]]:
+    """The issue's table: (row, klear-rl flags over the tiny dense model and good prompts,
+    what the line names)."""
+    return [
+        ("klear_8b recipe at --train-iters 3",
+         ["--config", str(RECIPE / "rl_math.yaml"), "--hf-checkpoint",
+          str(RECIPE / "hf_config"), "--train-iters", "3"], "--lr-warmup-iters 10"),
+        ("--reward maht", ["--reward", "maht"], "--reward maht"),
+        ("--use-routing-replay on a dense model", ["--use-routing-replay"],
+         "--use-routing-replay"),
+        ("--prompt-data that does not exist", ["--prompt-data", str(i["dir"] / "none.jsonl")],
+         f"--prompt-data {i['dir'] / 'none.jsonl'}"),
+        ("a torn JSONL line", ["--prompt-data", i["torn"]], f"{i['torn']}:3"),
+        ("--global-batch-size", ["--global-batch-size", "7"], "--global-batch-size"),
+    ]
+
+
+ROW_NAMES = [r[0] for r in _rows({"dir": Path("."), "torn": "", "cut": ""})]
+
+
+@pytest.mark.parametrize("row", ROW_NAMES)
+def test_table_rows_exit_2_with_one_line_in_dry_and_real_run(inputs, row):
+    """Each row through ``python -m megatron_klear.train.rl``, with and without --dry-run."""
+    _, flags, wants = next(r for r in _rows(inputs) if r[0] == row)
+    argv = ["--hf-checkpoint", inputs["dense"], "--prompt-data", inputs["good"], *flags]
+    dry, real = (_start("megatron_klear.train.rl", argv + extra) for extra in (["--dry-run"], []))
+    _one_line_exit_2(dry, wants)
+    _one_line_exit_2(real, wants)
+
+
+def test_the_same_flags_pass_when_valid(inputs):
+    """The control of the rows: valid inputs pass the checks (the dry run plans, exit 0);
+    routing replay on the MoE model is accepted."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_klear.train.rl", "--dry-run",
+                           "--hf-checkpoint", inputs["moe"], "--prompt-data", inputs["good"],
+                           "--use-routing-replay", "--reward", "math_klear",
+                           "--eval-data", inputs["good"]],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert report["config"]["global_batch_size"] == 16 * 8  # derived: mini-batch x n
+
+
+def test_sft_data_and_eval_benchmarks_exit_2_with_one_line(inputs, capsys):
+    """klear-sft's --data-path (missing in the dry run; a torn line in the real run) and
+    klear-eval's --benchmark files, reward and flags, before any model is converted or
+    server started (two through the CLI, the rest through klear-eval's main here)."""
+    from megatron_klear.eval.__main__ import main as eval_main
+
+    missing = str(inputs["dir"] / "none.jsonl")
+    out_dir = str(inputs["dir"] / "eval")
+    sft = ["--hf-checkpoint", inputs["dense"]]
+    procs = [
+        (_start("megatron_klear.train.sft", sft + ["--data-path", missing, "--dry-run"]),
+         f"--data-path {missing}: no such file"),
+        (_start("megatron_klear.train.sft", sft + ["--data-path", inputs["sft_torn"]]),
+         f"{inputs['sft_torn']}:2"),
+        (_start("megatron_klear.eval", ["--model", inputs["dense"], "--out-dir", out_dir,
+                                        "--benchmark", missing]),
+         f"--benchmark {missing}: no such file"),
+    ]
+    for proc, wants in procs:
+        _one_line_exit_2(proc, wants)
+    for flags, wants in ((["--benchmark", inputs["torn"]], f"{inputs['torn']}:3"),
+                         (["--benchmark", inputs["good"] + "@maht"], "reward maht"),
+                         (["--benchmark", inputs["good"], "--top-p", "0"], "--top-p"),
+                         (["--benchmark", inputs["good"], "--answer-format", "gsm9k"],
+                          "--answer-format")):
+        with pytest.raises(SystemExit) as exit_info:
+            eval_main(["--model", inputs["dense"], "--out-dir", out_dir, *flags])
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exit_info.value.code == 2 and len(lines) == 1 and wants in lines[0], lines
+    assert not Path(out_dir).exists()  # nothing written, nothing started
+
+
+@pytest.mark.parametrize("flags, wants", [
+    (["--seq-length", "64"], "--seq-length is not read by klear-rl"),
+    (["--prompt-data", "{cut}"], "{cut}:101"),
+    (["--reward", "no_such_pkg.mod:fn"], "--reward no_such_pkg.mod:fn"),
+    (["--eval-data", "{torn}"], "{torn}:3"),
+    (["--chat-template-kwargs", "{{x"], "--chat-template-kwargs"),
+    (["--chat-template", "{dir}/none.jinja"], "--chat-template"),
+    (["--kl-coef", "0.1", "--ref-load", "{dir}/none"], "--ref-load"),
+    (["--answer-format", "gsm9k"], "--answer-format"),
+    (["--rollout-top-p", "0"], "--rollout-top-p"),
+    (["--eval-temperature", "-1"], "--eval-temperature"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
+    (["--no-such-flag", "1"], "--no-such-flag"),
+    (["--micro-batch-size", "3"], "--micro-batch-size"),
+])
+def test_other_bad_rl_inputs_exit_2_with_one_line(inputs, capsys, flags, wants, monkeypatch):
+    """More bad inputs through klear-rl's main (the console script's function, in this
+    process: no new interpreter per case), dry run and real run."""
+    from megatron_klear.train import rl
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    flags = [f.format(**inputs) for f in flags]
+    wants = wants.format(**inputs)
+    for extra in (["--dry-run"], []):
+        with pytest.raises(SystemExit) as exit_info:
+            rl.main(["--hf-checkpoint", inputs["dense"], "--prompt-data", inputs["good"],
+                     *flags, *extra])
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert exit_info.value.code == 2 and len(lines) == 1 and wants in lines[0], err
+
+
+@pytest.mark.parametrize("style", ["constant", "cosine", "linear"])
+def test_warmup_against_decay_steps_for_every_style(style):
+    """megatron-core's OptimizerParamScheduler asserts warm-up < decay steps whatever the
+    style; the config refuses it first, and accepts the same warm-up with more decay steps."""
+    from megatron_klear.config import TrainConfig
+
+    base = ["--lr-decay-style", style, "--lr-warmup-iters", "10", "--min-lr", "0"]
+    for bad in (["--train-iters", "3"], ["--train-iters", "10"],
+                ["--train-iters", "500", "--lr-decay-iters", "10"]):
+        with pytest.raises(ConfigError, match="--lr-warmup-iters 10 must be smaller"):
+            parse_config(TrainConfig, base + bad)
+    cfg = parse_config(TrainConfig, base + ["--train-iters", "3", "--lr-decay-iters", "11"])
+    assert cfg.decay_iters == 11 and cfg.train_iters == 3
+
+
+def test_validation_changes_no_value_and_derive_does():
+    """validate() leaves every field as given; derive() sets the values that follow."""
+    import dataclasses
+
+    from megatron_klear.train.rl_config import RLConfig
+
+    cfg = RLConfig(hf_checkpoint="hf", prompt_data="p.jsonl", mini_batch_size=4,
+                   n_samples_per_prompt=2, rollout_batch_size=8, rollout_gen_batch_size=0)
+    before = dataclasses.asdict(cfg)
+    cfg.validate()
+    assert dataclasses.asdict(cfg) == before
+    cfg.derive()
+    assert cfg.global_batch_size == 8 and cfg.rollout_gen_batch_size is None
+
+
+def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
+    """klear-rl, klear-sft and klear-eval take the same prompt flags (name, type, default,
+    help); the rollout client and the embedded server share one SamplingParams."""
+    from megatron_klear.config import _build_parser
+    from megatron_klear.data.prompt_flags import PromptFlags
+    from megatron_klear.eval.__main__ import build_parser
+    from megatron_klear.rollout import client, sampling
+    from megatron_klear.train.rl_config import RLConfig
+    from megatron_klear.train.sft_config import SFTConfig
+
+    def actions(parser):
+        return {a.dest: (a.option_strings, a.type, a.default, a.help, a.choices)
+                for a in parser._actions}
+
+    rl, sft, ev = (actions(p) for p in (_build_parser(RLConfig, None),
+                                        _build_parser(SFTConfig, None), build_parser()))
+    shared = [f.name for f in dataclasses.fields(PromptFlags)]
+    assert len(shared) == 6
+    for name in shared:
+        assert ev[name][:2] == rl[name][:2] and ev[name][3:] == rl[name][3:], name
+    assert sft["chat_template_kwargs"][3] == rl["chat_template_kwargs"][3]
+    assert client.SamplingParams is sampling.SamplingParams
