@@ -12,42 +12,28 @@ responses. Modules are imported lazily so that importing this package stays chea
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from megatron_klear.import_path import load_callable
+from megatron_klear.import_path import Registry
 
 RewardFn = Callable[[str, Any], float]
 log = logging.getLogger(__name__)
 
-_BUILTIN = {"math": "megatron_klear.rewards.math:math_reward",
-            "code": "megatron_klear.rewards.code:code_reward",
-            "math_klear": "megatron_klear.rewards.klear:math_klear",
-            "code_klear": "megatron_klear.rewards.klear:code_klear"}
-_registry: dict[str, RewardFn] = {}
-_lock = threading.Lock()
+_REWARDS = Registry("reward", {"math": "megatron_klear.rewards.math:math_reward",
+                               "code": "megatron_klear.rewards.code:code_reward",
+                               "math_klear": "megatron_klear.rewards.klear:math_klear",
+                               "code_klear": "megatron_klear.rewards.klear:code_klear"})
 
 
 def register_reward(name: str, fn: RewardFn) -> None:
     """Make ``fn`` available as ``get_reward(name)`` (replaces an earlier registration)."""
-    if not callable(fn):
-        raise TypeError(f"reward {name!r} must be callable, got {type(fn).__name__}")
-    with _lock:
-        _registry[name] = fn
+    _REWARDS.register(name, fn)
 
 
 def get_reward(name: str) -> RewardFn:
     """The reward registered as ``name``, a built-in ('math', 'code') or 'pkg.module:function'."""
-    with _lock:
-        if name in _registry:
-            return _registry[name]
-    if name in _BUILTIN or ":" in name:
-        fn = load_callable(_BUILTIN.get(name, name), "reward")
-        register_reward(name, fn)
-        return fn
-    raise ValueError(f"unknown reward {name!r}: use one of {sorted(set(_BUILTIN) | set(_registry))} "
-                     "or an import path 'package.module:function'")
+    return _REWARDS.get(name)
 
 
 def check_reward(name: str, flag: str = "--reward") -> None:

@@ -24,7 +24,6 @@ Stages read their settings from the :class:`RolloutContext` and add timings to i
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -34,7 +33,7 @@ import torch
 from megatron_klear.algo.advantages import flat_groups, group_advantages, \
     kept_group_advantages
 from megatron_klear.data.prompts import PromptSample, render_prompt
-from megatron_klear.import_path import load_callable
+from megatron_klear.import_path import Registry
 from megatron_klear.rewards import score_batch
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
@@ -203,33 +202,20 @@ def grpo_advantages(ctx: RolloutContext, samples: list[Sample]) -> list[Sample]:
 
 # ------------------------------------------------------------------- registry, pipeline
 STAGE_KINDS = ("generate", "score", "filter", "advantages")
-_BUILTIN: dict[str, Callable] = {"generate": generate_responses, "score": score_samples,
-                                 "overlong_filter": drop_truncated,
-                                 "group_filter": drop_flat_groups, "grpo": grpo_advantages}
-_registry: dict[str, Callable] = dict(_BUILTIN)
-_lock = threading.Lock()
+_STAGES = Registry("rollout stage", {"generate": generate_responses, "score": score_samples,
+                                     "overlong_filter": drop_truncated,
+                                     "group_filter": drop_flat_groups, "grpo": grpo_advantages})
 
 
 def register_stage(name: str, fn: Callable) -> None:
     """Make ``fn`` available as the stage ``name`` (replaces an earlier registration)."""
-    if not callable(fn):
-        raise TypeError(f"rollout stage {name!r} must be callable, got {type(fn).__name__}")
-    with _lock:
-        _registry[name] = fn
+    _STAGES.register(name, fn)
 
 
 def get_stage(name: str) -> Callable:
     """The stage registered as ``name`` (built-ins: generate, score, overlong_filter,
     group_filter, grpo) or at the import path 'pkg.module:function'."""
-    with _lock:
-        if name in _registry:
-            return _registry[name]
-    if ":" not in name:
-        raise ValueError(f"unknown rollout stage {name!r}: use one of {sorted(_registry)} or an "
-                         "import path 'package.module:function'")
-    fn = load_callable(name, "rollout stage")
-    register_stage(name, fn)
-    return fn
+    return _STAGES.get(name)
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from megatron_klear.import_path import load_callable
+from megatron_klear.import_path import Registry
 
 __all__ = ["ToolCall", "ParsedTurn", "parse_hermes", "register_tool_parser",
            "get_tool_parser"]
@@ -85,27 +84,15 @@ def parse_hermes(text: str) -> ParsedTurn:
 
 
 ToolParser = Callable[[str], ParsedTurn]
-_parsers: dict[str, ToolParser] = {"hermes": parse_hermes, "qwen3": parse_hermes}
-_lock = threading.Lock()
+_PARSERS = Registry("tool-call parser", {"hermes": parse_hermes, "qwen3": parse_hermes})
 
 
 def register_tool_parser(name: str, fn: ToolParser) -> None:
     """Make ``fn(text) -> ParsedTurn`` available as the tool-call parser ``name``."""
-    if not callable(fn):
-        raise TypeError(f"tool parser {name!r} must be callable, got {type(fn).__name__}")
-    with _lock:
-        _parsers[name] = fn
+    _PARSERS.register(name, fn)
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name`` (built-in: hermes, qwen3) or at the import path
     'pkg.module:function'; ValueError names an unknown one."""
-    with _lock:
-        if name in _parsers:
-            return _parsers[name]
-    if ":" not in name:
-        raise ValueError(f"unknown tool-call parser {name!r}: use one of {sorted(_parsers)} or "
-                         "an import path 'package.module:function'")
-    fn = load_callable(name, "tool-call parser")
-    register_tool_parser(name, fn)
-    return fn
+    return _PARSERS.get(name)
