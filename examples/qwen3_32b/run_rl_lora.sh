@@ -9,7 +9,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-4}  # before common.sh, which defaults it to 8
 source "$HERE/../common.sh"
 OUT=${OUT:-/ckpt/qwen3-32b}
 MODEL=$(model_or_config "${MODEL:-/models/Qwen3-32B}" "$HERE/hf_config" "$@")
-DATA=${MATH_DATA:-/data/klear/math_rl.jsonl}
+DATA=$(data_or_sample "${MATH_DATA:-/data/klear/math_rl.jsonl}" "$HERE/../data/math_rl_sample.jsonl" "$@")
 ROLLOUT_URLS=${ROLLOUT_URLS:-http://rollout-0:30000 http://rollout-1:30000}
 # shellcheck disable=SC2086
 launch megatron_klear.train.rl --config "$HERE/rl_lora.yaml" --hf-checkpoint "$MODEL" \

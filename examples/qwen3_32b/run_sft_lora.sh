@@ -6,7 +6,7 @@
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../common.sh"
 MODEL=$(model_or_config "${MODEL:-/models/Qwen3-32B}" "$HERE/hf_config" "$@")
-DATA=${SFT_DATA:-/data/klear/sft_long_cot.jsonl}
+DATA=$(data_or_sample "${SFT_DATA:-/data/klear/sft_long_cot.jsonl}" "$HERE/../data/sft_sample.jsonl" "$@")
 OUT=${OUT:-/ckpt/qwen3-32b}
 launch megatron_klear.train.sft --config "$HERE/sft_lora.yaml" --hf-checkpoint "$MODEL" \
   --data-path "$DATA" --save "$OUT/sft_lora" --export-hf "$OUT/sft_lora_merged_hf" "$@"
