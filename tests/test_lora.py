@@ -329,7 +329,8 @@ def _sync(rank, world, url: str, hf: Path):
     from megatron_klear.checkpoint.hf_io import SafetensorsReader
     from megatron_klear.models.lora import adapters, adapters_disabled
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.rollout.weight_sync import WeightSync, trainer_sequence_logprobs
+    from megatron_klear.rollout.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.weight_sync import WeightSync
     from megatron_klear.train.engine import build_model, initialize_parallel
 
     initialize_parallel(1, 1)
