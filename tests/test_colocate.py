@@ -154,6 +154,7 @@ def test_colocated_rl_equals_separate_rl(model_dir, tmp_path):
     (["--async-rollout"], "--async-rollout cannot run with --colocate"),
     (["--weight-sync-format", "per_tensor"], "drop --weight-sync-format per_tensor"),
     (["--rollout-num-servers", "2"], "one engine runs per --sglang-tp-size ranks"),
+    (["--pipeline-model-parallel-size", "2"], "use --pipeline-model-parallel-size 1"),
 ])
 def test_colocate_refuses_what_it_cannot_do(tmp_path, extra, message):
     from megatron_klear.config import ConfigError, parse_config

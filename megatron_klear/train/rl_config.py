@@ -531,6 +531,10 @@ class ColocationFlags(Section):
         if self.weight_sync_format != "flattened_bucket":
             raise ConfigError("--colocate passes weights as SGLang flattened buckets of tensor "
                               "handles; drop --weight-sync-format per_tensor")
+        if self.pipeline_model_parallel_size > 1:  # rollout/tensor_sync.py's rule, up front
+            raise ConfigError("--colocate with --pipeline-model-parallel-size > 1: every engine "
+                              "needs every stage's weights on its own GPU; use "
+                              "--pipeline-model-parallel-size 1")
 
 
 @dataclass
