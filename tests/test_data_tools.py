@@ -109,3 +109,22 @@ def test_filter_testcases_cli_missing_solution_field(tmp_path):
     assert res.returncode == 2
     assert "humaneval_slice.jsonl:1: missing field 'solution' (set --solution-key" in res.stderr
     assert not out.exists()
+
+
+
+@pytest.mark.parametrize("tool, required", [
+    ("decontaminate.py", ["--train", "t", "--eval", "e", "--output", "o"]),
+    ("filter_testcases.py", ["--input", "i", "--output", "o", "--solution-key", "s"]),
+    ("plot_metrics.py", ["--metrics", "m", "--out", "o"]),
+    ("convert_hf_to_megatron.py", ["--hf-dir", "h", "--out-dir", "o"]),
+])
+def test_tools_refuse_an_unknown_flag_in_one_line(tmp_path, tool, required):
+    """A mistyped flag gets exit 2 and one line naming it (not argparse's usage block)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *required,
+                          "--bogus-flag"], capture_output=True, text=True, env=env,
+                         timeout=240, cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"error: unrecognized arguments: --bogus-flag (see {tool} --help)"]
+    assert not (tmp_path / "o").exists()

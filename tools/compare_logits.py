@@ -18,9 +18,9 @@ from _cli import run_cli
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of this tool (the layout ones shared with the trainers)."""
-    from megatron_klear.config import add_layout_flags
+    from megatron_klear.config import OneLineParser, add_layout_flags
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="HF model dir (the reference)")
     p.add_argument("--megatron-dir", required=True, help="Megatron checkpoint dir")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max allowed |dlogit|")

@@ -19,9 +19,9 @@ from _cli import run_cli
 def build_parser() -> argparse.ArgumentParser:
     """The flags of this tool (the layout ones shared with the trainers)."""
     from megatron_klear.checkpoint.convert import DTYPE_CHOICES
-    from megatron_klear.config import add_layout_flags
+    from megatron_klear.config import OneLineParser, add_layout_flags
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hf-dir", required=True, help="HF model dir (config.json + *.safetensors)")
     p.add_argument("--out-dir", required=True, help="output checkpoint dir (must not exist)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",

@@ -16,13 +16,14 @@ from collections import Counter
 
 from tqdm import tqdm
 
+from megatron_klear.config import OneLineParser
 from megatron_klear.data.decontaminate import DEFAULT_N, DEFAULT_TEXT_KEYS, NGramIndex, record_text
 from megatron_klear.data.prompts import DataError, load_records
 from megatron_klear.data.records_io import write_json, write_records
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--train", required=True, help="training set (.jsonl or .parquet)")
     p.add_argument("--eval", required=True, nargs="+", help="evaluation set(s) to protect")
     p.add_argument("--output", required=True, help="filtered training set (.jsonl/.parquet)")

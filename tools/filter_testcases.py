@@ -19,6 +19,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from megatron_klear.config import OneLineParser
 from megatron_klear.data.prompts import DataError, load_prompt_dataset, load_records, \
     record_field, render_prompt
 from megatron_klear.data.records_io import write_json, write_records
@@ -26,7 +27,7 @@ from megatron_klear.data.testcase_filter import fence_python, judge_problems
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="code problems (.jsonl or .parquet)")
     p.add_argument("--output", required=True, help="kept problems (.jsonl or .parquet)")
     p.add_argument("--report", default=None, help="JSON report (default: OUTPUT.report.json)")

@@ -6,11 +6,12 @@
 import argparse
 import sys
 
+from megatron_klear.config import OneLineParser
 from megatron_klear.train.plot import plot_metrics
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--metrics", required=True, help="metrics.jsonl written by klear-sft/klear-rl")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--keys", nargs="+", default=None, help="metrics to plot (default: essentials)")

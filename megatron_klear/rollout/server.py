@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 import torch
 from aiohttp import web
 
+from megatron_klear.config import OneLineParser
 from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.orphans import exit_when_orphaned
 from megatron_klear.rollout.client import encode_routed_experts
@@ -608,7 +609,7 @@ def build_app(server: RolloutServer) -> web.Application:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Embedded CPU rollout server (SGLang HTTP API).")
+    p = OneLineParser(description="Embedded CPU rollout server (SGLang HTTP API).")
     p.add_argument("--model", "--model-path", dest="model", required=True,
                    help="directory of a Hugging Face Qwen3 checkpoint (config.json + weights)")
     p.add_argument("--host", default="127.0.0.1")
