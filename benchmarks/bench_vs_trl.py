@@ -62,8 +62,8 @@ TRL_CANDIDATES = {
 # 42 s per held-out step here against 6-9 s for model.generate under the same load.
 KLEAR_PHASES = {  # profile row -> klear-rl metric (seconds, rank 0)
     "wait for the batch (generate + score + broadcast)": "time/rollout_s",
-    "generation (servers)": "time/generate_s",
-    "scoring (math reward)": "time/reward_s",
+    "  within it: generation (servers)": "time/generate_s",
+    "  within it: scoring (math reward)": "time/reward_s",
     "old log-probs": "time/old_logprob_s",
     "packing (micro-batches)": "time/pack_s",
     "forward + backward + optimizer": "time/train_s",
@@ -71,9 +71,9 @@ KLEAR_PHASES = {  # profile row -> klear-rl metric (seconds, rank 0)
     "probe": "time/probe_s",
 }
 TRL_PHASES = {
-    "generation (model.generate)": "generate",
-    "scoring (math reward)": "reward",
-    "generate_and_score total (tokenize, pad, advantages)": "generate_and_score",
+    "  within the next: generation (model.generate)": "generate",
+    "  within the next: scoring (math reward)": "reward",
+    "generate and score (tokenize, generate, decode, reward, advantages)": "generate_and_score",
     "forward + loss": "forward",
     "backward": "backward",
     "optimizer": "optimizer",
@@ -258,7 +258,7 @@ def sweep(hf: Path, data: Path, work: Path, trl: str, first: dict,
 def tables(trl: str, trl_times: dict, pairs: list[dict], rows: list[dict]) -> str:
     """The markdown the docs quote: TRL's candidates, the held-out runs, the profile, the
     sweep."""
-    out = ["| TRL generation backend | why a candidate | s/step (one short run) |",
+    out = ["| TRL candidate | why | s/step (one short run) |",
            "|---|---|---|"]
     for name, (_, why) in TRL_CANDIDATES.items():
         if name not in trl_times:
@@ -306,12 +306,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for side, label in (("klear", "klear-rl (defaults, 2 ranks)"), ("trl", "TRL GRPOTrainer")):
         for n, marker in ((8, "o-"), (32, "s")):
-            pts = sorted((r["tokens"], r[side]["s"]) for r in rows if r["n"] == n)
+            pts = sorted((PROMPTS * n * (r[side]["response_len"] or r["klear"]["response_len"]),
+                          r[side]["s"]) for r in rows if r["n"] == n)
             ax.plot(*zip(*pts), marker, color="C0" if side == "klear" else "C1",
                     label=f"{label}, {n} samples/prompt")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("tokens generated per RL step (16 prompts)")
+    ax.set_xlabel("tokens generated per RL step (16 prompts; each side's mean length)")
     ax.set_ylabel("seconds per RL step (median)")
     ax.set_title("RL step time vs work (tiny Qwen3, 2 CPU cores)")
     ax.grid(True, which="both", alpha=0.3)
