@@ -15,15 +15,16 @@ optimizer step per RL step, the same math reward (``score_batch("math")``), LR 2
 * TRL: one process, 2 torch threads (the machine's cores), one generation batch of
   prompts x n that is one training batch (``per_device_train_batch_size`` = 128,
   ``gradient_accumulation_steps`` 1, so TRL skips its old-log-prob pass as klear-rl does),
-  beta 0 (no reference model), loss ``dapo`` (token-level, as klear-rl's). Its generation
-  backend is chosen by measuring each candidate of TRL_CANDIDATES first.
+  beta 0 (no reference model), loss ``dapo`` (token-level, as klear-rl's). Its remaining
+  settings (gradient checkpointing, KV cache) are chosen by measuring each candidate of
+  TRL_CANDIDATES first.
 
 Stages, with progress on stderr: (1) TRL's candidates, one short run each; (2) ``--runs``
 held-out runs, klear-rl and TRL's fastest alternating, each the median of its steps after
 the first (warm-up); (3) the per-phase profile of both sides (from the same runs: klear-rl's
-``time/*`` metrics, TRL's methods timed in its worker); (4) the sweep (``--sweep``, default SWEEP:
-one run per side per point); (5) the plot (docs/trl_sweep.png). ``--update-docs`` writes the tables
-between the markers in docs/training.md. TRL is not a dependency: ``pip install
+``time/*`` metrics, TRL's methods timed in its worker); (4) the sweep (``--sweep``, default
+SWEEP: one run per side per point); (5) the plot (docs/trl_sweep.png). ``--update-docs``
+writes the tables between the markers in docs/training.md. TRL is not a dependency: ``pip install
 trl==1.16.0`` (and matplotlib for the plot).
 """
 
@@ -343,22 +344,24 @@ def main() -> None:
     p.add_argument("--update-docs", action="store_true",
                    help="write the tables into docs/training.md and the plot to docs/")
     args = p.parse_args()
+    names = args.trl_candidates.split(",")
+    if unknown := [n for n in names if n not in TRL_CANDIDATES]:
+        p.error(f"--trl-candidates {','.join(unknown)}: choose from {','.join(TRL_CANDIDATES)}")
+    try:
+        points = [tuple(map(int, x.split("x"))) for x in args.sweep.split(",") if x]
+    except ValueError:
+        p.error(f"--sweep {args.sweep}: points are SAMPLESxTOKENS, e.g. 8x32,8x256")
     try:
         import trl
     except ImportError:
-        sys.exit("bench_vs_trl: TRL is not installed (pip install trl==1.16.0; it is not a "
-                 "megatron-klear dependency)")
+        p.error("TRL is not installed (pip install trl==1.16.0; it is not a megatron-klear "
+                "dependency)")
     start = time.time()
     load = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
     hf, data = make_setup(work)
-    names = args.trl_candidates.split(",")
-    if unknown := [n for n in names if n not in TRL_CANDIDATES]:
-        sys.exit(f"bench_vs_trl: --trl-candidates {','.join(unknown)}: choose from "
-                 f"{','.join(TRL_CANDIDATES)}")
     trl_best, trl_times = choose_trl(hf, data, args.candidate_steps, names)
     pairs = held_out(hf, data, work, args.runs, args.steps, trl_best)
-    points = [tuple(map(int, x.split("x"))) for x in args.sweep.split(",") if x]
     rows = sweep(hf, data, work, trl_best, pairs[0], points)
     text = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, TRL "
             f"{trl.__version__}, load average {load:.1f} before and {os.getloadavg()[0]:.1f} "
