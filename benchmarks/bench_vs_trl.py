@@ -294,6 +294,12 @@ def tables(trl: str, trl_times: dict, pairs: list[dict], rows: list[dict]) -> st
     for r in rows:
         out.append(f"| {PROMPTS} x {r['n']} x {r['new']} | {r['tokens']:.0f} | "
                    f"{r['klear']['s']:.3f} | {r['trl']['s']:.3f} | **{r['ratio']:.2f}x** |")
+    ratios = [p["ratio"] for p in pairs]
+    out += ["", f"Verdict: held-out TRL / klear-rl {min(ratios):.2f}-{max(ratios):.2f}x over "
+            f"{len(ratios)} runs (target >= 1.5x in each: "
+            f"{'met' if min(ratios) >= 1.5 else 'not met'})"
+            + (f"; the sweep: klear-rl faster at {sum(r['ratio'] > 1 for r in rows)} of "
+               f"{len(rows)} points." if rows else ".")]
     return "\n".join(out)
 
 
