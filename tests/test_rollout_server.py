@@ -359,8 +359,7 @@ def test_finished_rows_leave_the_batch_and_change_nothing(model_dir, reference, 
     whole batch decodes to its end (seeded draws from (seed, position); unseeded ones from
     the server's stream, which still advances by one draw per request), and its logprobs are
     the independent transformers forward's. Not bit-identical on every shape: a GEMM over
-    fewer rows may round differently (<= 4.3e-6 measured here; bit-identical on the
-    issue-42 bench model)."""
+    fewer rows may round differently (<= 4.3e-6 measured here)."""
     from megatron_klear.rollout import generator as gen_mod
 
     model, tok = reference
