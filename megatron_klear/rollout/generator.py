@@ -25,6 +25,9 @@ from megatron_klear.rollout.sampling import (SamplingParams, find_stop_string, s
 __all__ = ["Sequence", "Generator"]
 
 INITIAL_DECODE_CAPACITY = 1024  # new tokens the KV cache holds before it first grows
+# a batch drops its finished rows (one copy of the KV cache) once a quarter of them have
+# finished: each later step computes only unfinished rows, as SGLang's running batch does
+COMPACT_AT = 0.75
 
 
 @dataclass
@@ -156,6 +159,7 @@ class Generator:
             if s.cfg.max_new_tokens == 0:
                 self._finish(s, {"type": "length", "length": 0})
         temps = torch.tensor([s.cfg.temperature for s in seqs], dtype=torch.float32)
+        live, rows = list(seqs), torch.arange(len(seqs))  # the cache's rows: unfinished ones
         while any(s.finish_reason is None for s in seqs):
             running.wait()
             if abort.is_set():
@@ -163,17 +167,23 @@ class Generator:
                 break
             if retract is not None and retract.is_set():
                 retract.clear()
-                _, logits, pos, cache = self._prefill(seqs)
+                _, logits, pos, cache = self._prefill(live)
                 last = logits[:, -1]
-            self._step(seqs, token_logprobs(last, temps))
+            # one draw per request of the batch, finished or not, as before rows left
+            self._step(live, token_logprobs(last, temps[rows]), self._uniforms(seqs)[rows])
             if all(s.finish_reason is not None for s in seqs):
                 break
-            nxt = torch.tensor([[s.output_ids[-1] if s.output_ids else 0] for s in seqs])
+            keep = [i for i, s in enumerate(live) if s.finish_reason is None]
+            if len(keep) <= COMPACT_AT * len(live):  # drop finished rows from the batch
+                index = torch.tensor(keep)
+                cache.select(index)
+                live, rows, pos = [live[i] for i in keep], rows[index], pos[index]
+            nxt = torch.tensor([[s.output_ids[-1] if s.output_ids else 0] for s in live])
             pos = pos + 1
             last = self._forward(nxt, pos, cache)[:, -1]
             if self._capturing:
-                step = self._routing(len(seqs), 1)
-                for row, s in enumerate(seqs):
+                step = self._routing(len(live), 1)
+                for row, s in enumerate(live):
                     if s.finish_reason is None:
                         s.routed.append(step[row])
 
@@ -229,8 +239,9 @@ class Generator:
             targets = ids[row, start + 1:]
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()
 
-    def _step(self, seqs: list[Sequence], logprobs: torch.Tensor) -> None:
-        tokens = sample_next(logprobs, [s.cfg for s in seqs], self._uniforms(seqs))
+    def _step(self, seqs: list[Sequence], logprobs: torch.Tensor, uniforms: torch.Tensor
+              ) -> None:
+        tokens = sample_next(logprobs, [s.cfg for s in seqs], uniforms)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         for s, tok, lp in zip(seqs, tokens.tolist(), chosen):
             if s.finish_reason is not None:

@@ -21,7 +21,8 @@ from megatron_klear import platform
 if TYPE_CHECKING:
     from megatron_klear.rollout.weight_sync import WeightSync
 
-__all__ = ["PROBE_METRIC", "probe_ids", "probe_asker", "trainer_sequence_logprobs",
+__all__ = ["PROBE_METRIC", "probe_ids", "probe_asker", "probe_computes",
+           "trainer_sequence_logprobs",
            "probe_metrics", "probe_after_sync"]
 
 PROBE_METRIC = "weight_sync/probe_max_abs_diff"
@@ -57,6 +58,17 @@ def probe_asker() -> bool:
             and ps.get_tensor_model_parallel_rank() == 0)
 
 
+def probe_computes() -> bool:
+    """Whether this rank computes the trainer's side of the probe: the model-parallel ranks
+    of data-parallel replica 0, where the asker is (:func:`probe_asker`); the other
+    replicas' forward would be thrown away while it takes cores from the servers answering
+    the probe. With expert parallelism every rank runs it (its all-to-alls span replicas)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_data_parallel_rank() == 0
+            or ps.get_expert_model_parallel_world_size() > 1)
+
+
 def probe_metrics(sync: "WeightSync", input_ids: list[int],
                   trainer_logprobs: torch.Tensor | None,
                   pending: concurrent.futures.Future | None) -> dict[str, float]:
@@ -79,5 +91,6 @@ def probe_after_sync(sync: "WeightSync", engine: Any) -> dict[str, float]:
     asking rank starts the servers on it, the trainer computes its side meanwhile."""
     ids = probe_ids(engine.arch)
     pending = sync.request_probe(ids) if probe_asker() else None  # servers work meanwhile
-    trainer_lp = trainer_sequence_logprobs(engine.model, engine.arch, ids)
+    trainer_lp = trainer_sequence_logprobs(engine.model, engine.arch, ids) \
+        if probe_computes() else None
     return probe_metrics(sync, ids, trainer_lp, pending)

@@ -142,8 +142,8 @@ class Colocation:
         """Steps 4 (probe log-probs) to 8 after a training step (or at the start of the run,
         with nothing released): sync the weights by handle with the trainer offloaded around
         them; the probe's max |engine - trainer| log-prob as in the separate mode."""
-        from megatron_klear.rollout.probe import probe_asker, probe_ids, probe_metrics, \
-            trainer_sequence_logprobs
+        from megatron_klear.rollout.probe import probe_asker, probe_computes, probe_ids, \
+            probe_metrics, trainer_sequence_logprobs
 
         metrics: dict[str, float] = {}
         if self.offload.offloaded:  # a skipped step (nothing trained): the turn is taken anyway
@@ -152,7 +152,7 @@ class Colocation:
         self.engine.gather_params()  # the distributed optimizer may defer the all-gather
         ids = probe_ids(self.engine.arch)
         trainer_lp = trainer_sequence_logprobs(self.engine.model, self.engine.arch, ids) \
-            if probe else None
+            if probe and probe_computes() else None
         t0 = time.perf_counter()
         self.offload.offload("state")
         self._resume(("weights",))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import time
 from typing import Any, ContextManager, Iterator
 
 import torch
@@ -73,7 +74,9 @@ class SeparatePlacement(Placement):
         self.engine.gather_params()  # the distributed optimizer may defer the all-gather
         metrics = dict(self.sync.sync(weight_version=version))
         if self.probe:
+            t0 = time.time()
             metrics.update(probe_after_sync(self.sync, self.engine))
+            metrics["time/probe_s"] = time.time() - t0
         return metrics
 
 

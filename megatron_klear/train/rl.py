@@ -130,9 +130,11 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     vocab = engine.arch.vocab_size
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
+    t0 = time.time()
     mbs_per_mini = [rollout_microbatches(batch, rows, cfg, pad_id) for rows in minis]
     for mbs in mbs_per_mini:
         annotate_aggregation(mbs)
+    t_pack = time.time() - t0
     t0 = time.time()
     if reference is not None:
         with reference.swapped_in():
@@ -159,7 +161,7 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     n_train = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
     if reference is not None:
         out["time/ref_logprob_s"] = t_ref
-    out.update({"time/old_logprob_s": t_old, "time/train_s": t_train,
+    out.update({"time/pack_s": t_pack, "time/old_logprob_s": t_old, "time/train_s": t_train,
                 "train/tokens_per_s": n_train / max(t_train, 1e-9), "train/optimizer_steps": steps})
     return out
 
