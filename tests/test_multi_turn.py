@@ -208,9 +208,9 @@ def test_tools_flags_and_collect_batch_with_tools():
     required = ["--hf-checkpoint", "x", "--prompt-data", "x"]
     cfg = parse_config(RLConfig, required + ["--tools", "python", "tests.test_tools:add",
                                              "--max-turns", "3", "--tool-timeout", "2"])
-    mt = cfg.multi_turn_config()
+    mt = cfg.multi_turn_config(cfg.rollout_max_response_len)
     assert sorted(mt.tools) == ["add", "python"] and mt.max_turns == 3 and mt.tool_wall_s == 2
-    assert parse_config(RLConfig, required).multi_turn_config() is None
+    assert parse_config(RLConfig, required).multi_turn_config(256) is None
     for extra, msg in [(["--tools", "nope:fn"], "--tools nope:fn"),
                        (["--tools", "tests.test_tools:not_a_tool"], "schema"),
                        (["--tools", "python", "python"], "two tools are named 'python'"),

@@ -91,7 +91,8 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
                                 overlong_filter=cfg.overlong_filter,
                                 prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),
                                 remote=cfg.remote_reward(), overlong=cfg.overlong_shaping(),
-                                stages=cfg.rollout_stages, multi_turn=cfg.multi_turn_config())
+                                stages=cfg.rollout_stages, multi_turn=cfg.multi_turn_config(
+                                    cfg.rollout_max_response_len))
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
 
