@@ -179,7 +179,8 @@ def trainable_groups(cfg: RLConfig, groups: int, dp: int) -> int:
 
 
 def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
-    """avg@k / pass@k of the current policy on ``--eval-data`` (rank 0 evaluates)."""
+    """avg@k / pass@k of the current policy on ``--eval-data`` (rank 0 evaluates); with
+    ``--tools``, of tool-using trajectories, as klear-eval's (its tool metrics too)."""
     from megatron_klear.eval.evaluate import Benchmark, evaluate
 
     report = None
@@ -189,7 +190,8 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
                           answer_format=cfg.answer_format)
         params = cfg.eval_sampling_params(stop_token_ids=[tokenizer.eos_token_id])
         report = evaluate(client, tokenizer, [bench], k=cfg.eval_k, params=params,
-                          progress=False)["eval"]
+                          progress=False,
+                          multi_turn=cfg.multi_turn_config(params.max_new_tokens))["eval"]
     report = broadcast_batch(report)
     return {f"eval/{k}": v for k, v in report.items()}
 
