@@ -4,6 +4,7 @@ the ids of a 3-turn tool trajectory are the ids the template renders for the who
 conversation, the loss mask covers exactly the model's own tokens, and hostile calls are
 contained, answered with errors, scored, and the rollout goes on."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,44 @@ def test_hostile_calls_are_answered_with_errors_and_the_rollout_goes_on():
     assert score_samples(ctx, [s])[0].reward == 1.0
     assert ctx.stats["multi_turn/tool_calls"] == 4 and ctx.stats["multi_turn/tool_tokens"] \
         == len(s.loss_mask) - sum(s.loss_mask)
+
+
+def test_hostile_user_tools_and_a_deeply_nested_call_inside_a_rollout():
+    """A user tool that hangs, one that raises, one that floods, and a call nested past
+    json's recursion limit (which crashed the step): each answered, the rollout scores."""
+    from megatron_klear.rollout.tools import Tool
+
+    def schema(name):
+        return {"type": "function", "function": {"name": name, "parameters": {}}}
+
+    def boom(arguments):
+        raise RuntimeError("tool bug")
+
+    tools = {"hang": Tool("hang", schema("hang"), lambda a: time.sleep(30)),
+             "boom": Tool("boom", schema("boom"), boom),
+             "flood": Tool("flood", schema("flood"), lambda a: "z" * 5_000_000)}
+    tok, end = _tokenizer(), "<|im_end|>"
+
+    def named(name):
+        return '<tool_call>\n{"name": "' + name + '", "arguments": {}}\n</tool_call>'
+
+    turns = ["<tool_call>" + "[" * 3000 + "</tool_call>" + end,
+             named("hang") + "\n" + named("boom") + "\n" + named("flood") + end,
+             "So \\boxed{5}." + end]
+    engine = ScriptedEngine(tok, {"Tools": turns})
+    cfg = MultiTurnConfig(tools, tool_wall_s=0.3, max_response_tokens=5000,
+                          max_tool_response_tokens=100)
+    ctx = RolloutContext(engine, tok, SamplingParams(n=1, max_new_tokens=4000), "math", 1.0,
+                         multi_turn=cfg)
+    t0 = time.monotonic()
+    (s,) = generate_tool_turns(ctx, [PromptSample(0, [{"role": "user", "content": "Tools"}],
+                                                  "5")], [0])
+    t = s.trajectory
+    assert time.monotonic() - t0 < 10 and t.stop_reason == "answer" and t.calls == 4
+    assert "nests JSON too deeply" in t.tool_outputs[0]
+    assert "timed out" in t.tool_outputs[1] and "RuntimeError: tool bug" in t.tool_outputs[2]
+    assert "more tokens cut" in t.tool_outputs[3] and len(t.tool_outputs[3]) < 300
+    assert t.tool_errors == 3 and score_samples(ctx, [s])[0].reward == 1.0
 
 
 @pytest.mark.parametrize("limit, reason, turns_taken", [
