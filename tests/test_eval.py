@@ -194,12 +194,12 @@ def test_eval_with_tools_scores_final_answers_and_reports_turn_metrics(tmp_path)
     assert report["turn_limit_rate"] == 0.5 and report["tool_calls_per_sample"] == 1.0
 
 
-def test_klear_eval_cli_with_tools(tmp_path):
+def test_klear_eval_cli_with_tools(tmp_path, capsys):
     """klear-eval --tools (klear-rl's tool flags) against the embedded server: multi-turn
     trajectories of a user tool through a user parser (a random model writes no calls), each
     tool response answering the turn before it; scores, report means and bad flags."""
-    from megatron_klear.eval.__main__ import build_parser, check_args
-    from tests.test_multi_turn import TEMPLATE
+    from megatron_klear.eval.__main__ import build_parser, check_args, main
+    from tests.test_multi_turn import PLAIN, TEMPLATE
     from tests.test_multi_turn_server import HERE, long_context_model
 
     hf = long_context_model(tmp_path / "tiny")
@@ -211,9 +211,7 @@ def test_klear_eval_cli_with_tools(tmp_path):
              "--tools", f"{HERE}:count", "--tool-parser", f"{HERE}:every_turn_calls",
              "--max-turns", "3", "--max-tool-response-tokens", "8", "--tool-timeout", "3",
              "--num-servers", "1", "--out-dir", str(tmp_path / "out")]
-    proc = subprocess.run([sys.executable, "-m", "megatron_klear.eval", *flags],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    main(flags)   # in this process (the server is one): a CLI's imports cost ~10 s a launch
     payload = json.loads((tmp_path / "out" / "report.json").read_text())
     report, recs = payload["benchmarks"]["toy"], [
         json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
@@ -245,3 +243,11 @@ def test_klear_eval_cli_with_tools(tmp_path):
                        (["--tools", "python", "--prompt-template", "raw"], "drop --prompt")]:
         with pytest.raises(ConfigError, match=msg):
             check_args(build_parser().parse_args(flags[:4] + extra))
+    # a chat template without tool support: one line, exit 2, before any server starts
+    at = flags.index("--chat-template") + 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags[:at] + [str(PLAIN)] + flags[at + 1:])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("error: --tools: the chat template")
+    assert "\n" not in err

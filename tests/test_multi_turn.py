@@ -226,7 +226,15 @@ def test_a_turn_cut_by_the_token_limit_ends_with_length():
 
 
 def test_a_template_without_tool_support_is_refused_by_name():
-    """Negative control of the template delta: the tool-less fixture drops role tool."""
+    """Negative control of the template delta: the tool-less fixture drops role tool; the
+    pre-flight (check_tool_template) refuses it before a run."""
+    from megatron_klear.rollout.multi_turn import check_tool_template
+
+    cfg = _ctx(_tokenizer(), None).multi_turn
+    check_tool_template(_tokenizer(), cfg)
+    check_tool_template(build_tokenizer(), cfg)   # plain ChatML renders role tool as a turn
+    with pytest.raises(ToolTemplateError, match="tool support"):
+        check_tool_template(_tokenizer(PLAIN), cfg)
     tok = _tokenizer(PLAIN)
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": call("1")}]
     with pytest.raises(ToolTemplateError, match="tool support|ends an assistant turn"):

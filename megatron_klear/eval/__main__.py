@@ -27,7 +27,7 @@ from megatron_klear.eval.evaluate import Benchmark, evaluate, parse_benchmark, r
     write_report
 from megatron_klear.rollout.multi_turn import MultiTurnConfig
 from megatron_klear.rollout.sampling import SamplingParams
-from megatron_klear.rollout.tool_flags import ToolFlags
+from megatron_klear.rollout.tool_flags import ToolFlags, check_tools_chat_template
 
 # klear-eval's sampling flags on the one sampling contract's fields
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(hf_dir, prompts.prompt_template or ("chat" if multi_turn else
                                                                    None),
                                prompts.chat_template, template_kwargs)
+    check_tools_chat_template(tokenizer, multi_turn)
     params = sampling_params(args, stop_token_ids=[tokenizer.eos_token_id])
     count, threads = embedded_server_layout(args.num_servers)
     servers = (connect(args.rollout_urls) if args.rollout_urls else

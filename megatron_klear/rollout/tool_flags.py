@@ -9,13 +9,15 @@ in both CLIs, as data/prompt_flags.py's prompt flags. The response budget of a t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_klear.config import ConfigError, Section, opt
-from megatron_klear.rollout.multi_turn import MultiTurnConfig
+from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError, \
+    check_tool_template
 from megatron_klear.rollout.tool_calls import ToolParser, get_tool_parser
 from megatron_klear.rollout.tools import Tool, load_tool, python_tool
 
-__all__ = ["ToolFlags"]
+__all__ = ["ToolFlags", "check_tools_chat_template"]
 
 
 @dataclass
@@ -76,3 +78,15 @@ class ToolFlags(Section):
                                max_response_tokens=max_response_tokens,
                                max_tool_response_tokens=self.max_tool_response_tokens,
                                tool_wall_s=self.tool_timeout)
+
+
+def check_tools_chat_template(tokenizer: Any, multi_turn: MultiTurnConfig | None) -> None:
+    """The CLIs' pre-flight of ``--tools`` with the loaded tokenizer: ConfigError (one line,
+    exit 2) when its chat template cannot render tool turns
+    (rollout/multi_turn.py ``check_tool_template``); nothing without tools."""
+    if multi_turn is None:
+        return
+    try:
+        check_tool_template(tokenizer, multi_turn)
+    except ToolTemplateError as e:
+        raise ConfigError(f"--tools: {e}") from None
