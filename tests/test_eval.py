@@ -207,7 +207,7 @@ def test_klear_eval_cli_with_tools(tmp_path, capsys):
     bench.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x"}) + "\n"
                              for i in range(3)))
     flags = ["--model", str(hf), "--benchmark", f"toy={bench}@{REWARD}", "--k", "2",
-             "--max-new-tokens", "300", "--chat-template", str(TEMPLATE), "--seed", "1",
+             "--max-new-tokens", "200", "--chat-template", str(TEMPLATE), "--seed", "1",
              "--tools", f"{HERE}:count", "--tool-parser", f"{HERE}:every_turn_calls",
              "--max-turns", "3", "--max-tool-response-tokens", "8", "--tool-timeout", "3",
              "--num-servers", "1", "--out-dir", str(tmp_path / "out")]
@@ -219,7 +219,7 @@ def test_klear_eval_cli_with_tools(tmp_path, capsys):
     for r in recs:
         msgs = r["messages"]
         assert [m["role"] for m in msgs[::2]] == ["assistant"] * r["turns"]
-        assert r["response"] == msgs[-1]["content"] if msgs[-1]["role"] == "assistant" else True
+        assert r["response"] == [m for m in msgs if m["role"] == "assistant"][-1]["content"]
         for a, t in zip(msgs[::2], msgs[1::2]):   # each call answered: the turn's length,
             full = f"{len(a['content'])} characters"   # cut at 8 (one character a token)
             cut = full if len(full) <= 8 else full[:8] + f"\n[... {len(full) - 8} more tokens cut]"
@@ -227,7 +227,7 @@ def test_klear_eval_cli_with_tools(tmp_path, capsys):
         assert r["tool_calls"] == len(msgs[1::2]) and r["tool_errors"] == 0
         assert r["tool_calls"] == r["turns"] - (r["stop_reason"] in ("max_turns", "length"))
         assert r["score"] == float(len(r["response"]) % 2 == 0)
-        assert r["model_tokens"] + r["tool_tokens"] == r["response_tokens"] <= 300
+        assert r["model_tokens"] + r["tool_tokens"] == r["response_tokens"] <= 200
     assert sum(r["turns"] for r in recs) > len(recs)        # several turns were taken
     for key, field in [("mean_turns", "turns"), ("tool_calls_per_sample", "tool_calls"),
                        ("mean_tool_tokens", "tool_tokens")]:
