@@ -207,11 +207,13 @@ def test_validation_changes_no_value_and_derive_does():
 
 def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
     """klear-rl, klear-sft and klear-eval take the same prompt flags (name, type, default,
-    help); the rollout client and the embedded server share one SamplingParams."""
+    help), klear-rl and klear-eval the same tool flags; the rollout client and the embedded
+    server share one SamplingParams."""
     from megatron_klear.config import _build_parser
     from megatron_klear.data.prompt_flags import PromptFlags
     from megatron_klear.eval.__main__ import build_parser
     from megatron_klear.rollout import client, sampling
+    from megatron_klear.rollout.tool_flags import ToolFlags
     from megatron_klear.train.rl_config import RLConfig
     from megatron_klear.train.sft_config import SFTConfig
 
@@ -222,8 +224,10 @@ def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
     rl, sft, ev = (actions(p) for p in (_build_parser(RLConfig, None),
                                         _build_parser(SFTConfig, None), build_parser()))
     shared = [f.name for f in dataclasses.fields(PromptFlags)]
-    assert len(shared) == 6
-    for name in shared:
+    tools = [f.name for f in dataclasses.fields(ToolFlags)]
+    assert len(shared) == 6 and tools == ["tools", "tool_parser", "max_turns",
+                                          "max_tool_response_tokens", "tool_timeout"]
+    for name in shared + tools:
         assert ev[name][:2] == rl[name][:2] and ev[name][3:] == rl[name][3:], name
     assert sft["chat_template_kwargs"][3] == rl["chat_template_kwargs"][3]
     assert client.SamplingParams is sampling.SamplingParams

@@ -151,3 +151,103 @@ def test_paired_gain_is_the_mean_and_se_of_per_problem_differences(tmp_path):
     write(tmp_path / "short.jsonl", {0: [1, 1]})
     with pytest.raises(ValueError, match="different problems"):
         paired_gain(tmp_path / "before.jsonl", tmp_path / "short.jsonl", "b")
+
+
+def test_eval_with_tools_scores_final_answers_and_reports_turn_metrics(tmp_path):
+    """evaluate() with tools: each sample is a multi-turn trajectory of the real python tool
+    (a scripted engine stands in for the servers); the math reward scores the final answer,
+    a malformed call is a tool error, and the report's per-sample means are the records'."""
+    from megatron_klear.eval.evaluate import Benchmark, evaluate
+    from megatron_klear.rollout.client import SamplingParams
+    from tests.test_multi_turn import ScriptedEngine, _ctx, _tokenizer, call
+
+    tok, end = _tokenizer(), "<|im_end|>"
+    engine = ScriptedEngine(tok, {
+        "Six": [call("print(6 * 7)") + end, "So \\boxed{42}." + end],
+        "Bad": ['<tool_call>\n{"name": "python", "arguments": \n</tool_call>' + end,
+                call("print(1)") + end, "It is \\boxed{2}." + end]})
+    bench = tmp_path / "b.jsonl"
+    bench.write_text(json.dumps({"prompt": "Six times seven?", "answer": "42"}) + "\n" +
+                     json.dumps({"prompt": "Bad one?", "answer": "3"}) + "\n")
+    mt = _ctx(tok, engine, max_turns=3).multi_turn
+    report = evaluate(engine, tok, [Benchmark("b", str(bench))], k=2,
+                      params=SamplingParams(max_new_tokens=400), samples_path=tmp_path / "s",
+                      progress=False, multi_turn=mt)["b"]
+    recs = [json.loads(line) for line in (tmp_path / "s").read_text().splitlines()]
+    got = {(r["problem"], r["score"], r["turns"], r["tool_calls"], r["tool_errors"],
+            r["stop_reason"]) for r in recs}
+    assert len(recs) == 4 and got == {(0, 1.0, 2, 1, 0, "answer"), (1, 0.0, 3, 2, 1, "answer")}
+    six = next(r for r in recs if r["problem"] == 0)
+    assert six["response"] == "So \\boxed{42}." and [m["role"] for m in six["messages"]] == \
+        ["assistant", "tool", "assistant"] and six["messages"][1]["content"] == "42\n"
+    assert all(r["model_tokens"] + r["tool_tokens"] == r["response_tokens"] and
+               r["tool_tokens"] > 0 for r in recs)
+    assert report["avg@2"] == 0.5 and report["mean_turns"] == 2.5
+    assert report["tool_calls_per_sample"] == 1.5 and report["tool_errors_per_sample"] == 0.5
+    assert report["turn_limit_rate"] == 0.0 and report["mean_tool_tokens"] == sum(
+        r["tool_tokens"] for r in recs) / 4
+    # at --max-turns 2 the bad problem's second call is not run: a turn-limit hit
+    mt2 = _ctx(tok, engine, max_turns=2).multi_turn
+    report = evaluate(engine, tok, [Benchmark("b", str(bench))], k=2,
+                      params=SamplingParams(max_new_tokens=400), progress=False,
+                      multi_turn=mt2)["b"]
+    assert report["turn_limit_rate"] == 0.5 and report["tool_calls_per_sample"] == 1.0
+
+
+def test_klear_eval_cli_with_tools(tmp_path, capsys):
+    """klear-eval --tools (klear-rl's tool flags) against the embedded server: multi-turn
+    trajectories of a user tool through a user parser (a random model writes no calls), each
+    tool response answering the turn before it; scores, report means and bad flags."""
+    from megatron_klear.eval.__main__ import build_parser, check_args, main
+    from tests.test_multi_turn import PLAIN, TEMPLATE
+    from tests.test_multi_turn_server import HERE, long_context_model
+
+    hf = long_context_model(tmp_path / "tiny")
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x"}) + "\n"
+                             for i in range(3)))
+    flags = ["--model", str(hf), "--benchmark", f"toy={bench}@{REWARD}", "--k", "2",
+             "--max-new-tokens", "200", "--chat-template", str(TEMPLATE), "--seed", "1",
+             "--tools", f"{HERE}:count", "--tool-parser", f"{HERE}:every_turn_calls",
+             "--max-turns", "3", "--max-tool-response-tokens", "8", "--tool-timeout", "3",
+             "--num-servers", "1", "--out-dir", str(tmp_path / "out")]
+    main(flags)   # in this process (the server is one): a CLI's imports cost ~10 s a launch
+    payload = json.loads((tmp_path / "out" / "report.json").read_text())
+    report, recs = payload["benchmarks"]["toy"], [
+        json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert payload["meta"]["tools"] == [f"{HERE}:count"] and len(recs) == 6
+    for r in recs:
+        msgs = r["messages"]
+        assert [m["role"] for m in msgs[::2]] == ["assistant"] * r["turns"]
+        assert r["response"] == [m for m in msgs if m["role"] == "assistant"][-1]["content"]
+        for a, t in zip(msgs[::2], msgs[1::2]):   # each call answered: the turn's length,
+            full = f"{len(a['content'])} characters"   # cut at 8 (one character a token)
+            cut = full if len(full) <= 8 else full[:8] + f"\n[... {len(full) - 8} more tokens cut]"
+            assert t == {"role": "tool", "content": cut}
+        assert r["tool_calls"] == len(msgs[1::2]) and r["tool_errors"] == 0
+        assert r["tool_calls"] == r["turns"] - (r["stop_reason"] in ("max_turns", "length"))
+        assert r["score"] == float(len(r["response"]) % 2 == 0)
+        assert r["model_tokens"] + r["tool_tokens"] == r["response_tokens"] <= 200
+    assert sum(r["turns"] for r in recs) > len(recs)        # several turns were taken
+    for key, field in [("mean_turns", "turns"), ("tool_calls_per_sample", "tool_calls"),
+                       ("mean_tool_tokens", "tool_tokens")]:
+        assert report[key] == pytest.approx(sum(r[field] for r in recs) / 6)
+    assert report["turn_limit_rate"] == pytest.approx(
+        sum(r["stop_reason"] == "max_turns" for r in recs) / 6)
+    assert report["avg@2"] == pytest.approx(sum(r["score"] for r in recs) / 6)
+    # bad tool flags: refused by name before anything is built
+    from megatron_klear.config import ConfigError
+    for extra, msg in [(["--tools", "nope:fn"], "--tools nope:fn"),
+                       (["--tools", "python", "--max-turns", "0"], "--max-turns"),
+                       (["--tools", "python", "--tool-parser", "nope"], "--tool-parser"),
+                       (["--tools", "python", "--prompt-template", "raw"], "drop --prompt")]:
+        with pytest.raises(ConfigError, match=msg):
+            check_args(build_parser().parse_args(flags[:4] + extra))
+    # a chat template without tool support: one line, exit 2, before any server starts
+    at = flags.index("--chat-template") + 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags[:at] + [str(PLAIN)] + flags[at + 1:])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("error: --tools: the chat template")
+    assert "\n" not in err

@@ -4,6 +4,7 @@ the ids of a 3-turn tool trajectory are the ids the template renders for the who
 conversation, the loss mask covers exactly the model's own tokens, and hostile calls are
 contained, answered with errors, scored, and the rollout goes on."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,44 @@ def test_hostile_calls_are_answered_with_errors_and_the_rollout_goes_on():
         == len(s.loss_mask) - sum(s.loss_mask)
 
 
+def test_hostile_user_tools_and_a_deeply_nested_call_inside_a_rollout():
+    """A user tool that hangs, one that raises, one that floods, and a call nested past
+    json's recursion limit (which crashed the step): each answered, the rollout scores."""
+    from megatron_klear.rollout.tools import Tool
+
+    def schema(name):
+        return {"type": "function", "function": {"name": name, "parameters": {}}}
+
+    def boom(arguments):
+        raise RuntimeError("tool bug")
+
+    tools = {"hang": Tool("hang", schema("hang"), lambda a: time.sleep(30)),
+             "boom": Tool("boom", schema("boom"), boom),
+             "flood": Tool("flood", schema("flood"), lambda a: "z" * 5_000_000)}
+    tok, end = _tokenizer(), "<|im_end|>"
+
+    def named(name):
+        return '<tool_call>\n{"name": "' + name + '", "arguments": {}}\n</tool_call>'
+
+    turns = ["<tool_call>" + "[" * 3000 + "</tool_call>" + end,
+             named("hang") + "\n" + named("boom") + "\n" + named("flood") + end,
+             "So \\boxed{5}." + end]
+    engine = ScriptedEngine(tok, {"Tools": turns})
+    cfg = MultiTurnConfig(tools, tool_wall_s=0.3, max_response_tokens=5000,
+                          max_tool_response_tokens=100)
+    ctx = RolloutContext(engine, tok, SamplingParams(n=1, max_new_tokens=4000), "math", 1.0,
+                         multi_turn=cfg)
+    t0 = time.monotonic()
+    (s,) = generate_tool_turns(ctx, [PromptSample(0, [{"role": "user", "content": "Tools"}],
+                                                  "5")], [0])
+    t = s.trajectory
+    assert time.monotonic() - t0 < 10 and t.stop_reason == "answer" and t.calls == 4
+    assert "nests JSON too deeply" in t.tool_outputs[0]
+    assert "timed out" in t.tool_outputs[1] and "RuntimeError: tool bug" in t.tool_outputs[2]
+    assert "more tokens cut" in t.tool_outputs[3] and len(t.tool_outputs[3]) < 300
+    assert t.tool_errors == 3 and score_samples(ctx, [s])[0].reward == 1.0
+
+
 @pytest.mark.parametrize("limit, reason, turns_taken", [
     ({"max_turns": 2}, "max_turns", 2),
     ({"max_response_tokens": 120}, "max_response_tokens", 1),
@@ -187,7 +226,15 @@ def test_a_turn_cut_by_the_token_limit_ends_with_length():
 
 
 def test_a_template_without_tool_support_is_refused_by_name():
-    """Negative control of the template delta: the tool-less fixture drops role tool."""
+    """Negative control of the template delta: the tool-less fixture drops role tool; the
+    pre-flight (check_tool_template) refuses it before a run."""
+    from megatron_klear.rollout.multi_turn import check_tool_template
+
+    cfg = _ctx(_tokenizer(), None).multi_turn
+    check_tool_template(_tokenizer(), cfg)
+    check_tool_template(build_tokenizer(), cfg)   # plain ChatML renders role tool as a turn
+    with pytest.raises(ToolTemplateError, match="tool support"):
+        check_tool_template(_tokenizer(PLAIN), cfg)
     tok = _tokenizer(PLAIN)
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": call("1")}]
     with pytest.raises(ToolTemplateError, match="tool support|ends an assistant turn"):
@@ -208,9 +255,9 @@ def test_tools_flags_and_collect_batch_with_tools():
     required = ["--hf-checkpoint", "x", "--prompt-data", "x"]
     cfg = parse_config(RLConfig, required + ["--tools", "python", "tests.test_tools:add",
                                              "--max-turns", "3", "--tool-timeout", "2"])
-    mt = cfg.multi_turn_config()
+    mt = cfg.multi_turn_config(cfg.rollout_max_response_len)
     assert sorted(mt.tools) == ["add", "python"] and mt.max_turns == 3 and mt.tool_wall_s == 2
-    assert parse_config(RLConfig, required).multi_turn_config() is None
+    assert parse_config(RLConfig, required).multi_turn_config(256) is None
     for extra, msg in [(["--tools", "nope:fn"], "--tools nope:fn"),
                        (["--tools", "tests.test_tools:not_a_tool"], "schema"),
                        (["--tools", "python", "python"], "two tools are named 'python'"),

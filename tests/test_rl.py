@@ -388,3 +388,56 @@ def test_share_prompts_refused_where_its_tree_mask_cannot_run(bad):
     assert parse_config(RLConfig, base).share_prompts
     with pytest.raises(ConfigError, match="--share-prompts"):
         parse_config(RLConfig, base + bad)
+
+
+def test_rl_with_tools_async_and_dynamic_sampling(tmp_path, prompts):
+    """klear-rl --tools python, one launch: multi-turn trajectories (the real sandboxed
+    python tool, and hostile calls: malformed JSON, an unknown tool) train under
+    --async-rollout (batch 2 generated a step ahead) and dynamic sampling (the "never"
+    groups dropped, refilled); the per-turn metrics reach metrics.jsonl and add up, the
+    trainer's log-probs at the model's tokens are the engine's (step 1, on-policy: tool
+    tokens would differ by whole nats if they were trained), and the periodic eval runs
+    with the tools."""
+    from megatron_klear.models.tiny import save_tiny_hf_model
+    from tests.test_multi_turn import TEMPLATE
+
+    hf = save_tiny_hf_model(tmp_path / "hf", seed=0, std=0.2, max_position_embeddings=2048)
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(prompts.read_text().splitlines(keepends=True)[:4]))
+    cli = [sys.executable, "-m", "megatron_klear.train.rl",
+           *_rl_args(hf, prompts, tmp_path / "run", 2, "--chat-template", str(TEMPLATE),
+                     "--tools", "python", "--tool-parser", "tests.test_rl:hostile_every_turn",
+                     "--max-turns", "3", "--max-tool-response-tokens", "16",
+                     "--tool-timeout", "3", "--async-rollout", "--max-sampling-rounds", "8",
+                     "--eval-data", str(evals), "--eval-interval", "2", "--eval-k", "2")]
+    cli[cli.index("--rollout-max-response-len") + 1] = "200"
+    proc = subprocess.run(cli, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hist = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in hist] == [1, 2]
+    assert [m["rollout/staleness"] for m in hist] == [0.0, 1.0]     # async: generated ahead
+    assert hist[0]["train/mismatch_abs_logprob"] < 1e-4
+    for m in hist:
+        assert m["rollout/groups_kept"] == 4 and m["rollout/prompts_drawn"] > 4  # refilled
+        assert m["rollout/zero_adv_frac"] > 0 and m["train/optimizer_steps"] == 2
+        assert m["weight_sync/probe_max_abs_diff"] < 1e-4
+        assert m["multi_turn/turns"] > 1 and m["multi_turn/tool_calls"] > 0
+        assert m["multi_turn/tool_errors"] > 0 and m["multi_turn/tool_tokens"] > 0
+        assert 0 <= m["multi_turn/turn_limit_hits"] <= 1 and m["time/tools_s"] > 0
+        assert m["multi_turn/model_tokens"] + m["multi_turn/tool_tokens"] == pytest.approx(
+            m["rollout/response_len"])
+    assert hist[1]["eval/problems"] == 4 and hist[1]["eval/tool_calls_per_sample"] > 0
+
+
+def hostile_every_turn(text: str):
+    """A tool-call parser by import path for ``klear-rl --tools python``: a random model
+    writes no calls, so every turn makes one, picked by the turn's length: a program for
+    the real python tool (printing that length), malformed JSON, or an unknown tool (hostile
+    calls, answered as errors while the run goes on)."""
+    from megatron_klear.rollout.tool_calls import parse_hermes
+
+    body = [f'{{"name": "python", "arguments": {{"code": "print({len(text)})"}}}}',
+            '{"name": "python", "arguments": ', '{"name": "rm_rf", "arguments": {}}'][
+        len(text) % 3]
+    return parse_hermes(f"<tool_call>\n{body}\n</tool_call>")

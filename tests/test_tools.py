@@ -3,8 +3,10 @@ Qwen3 / Hermes calls parsed from the model's text, badly written calls turned in
 for the model, user tools and parsers by import path, and hostile calls (a tool that raises
 or hangs, a fork bomb, an infinite loop, a huge print in the Python tool) contained."""
 
+import threading
 import time
 
+import psutil
 import pytest
 
 from megatron_klear.rewards.sandbox import SandboxLimits
@@ -48,6 +50,8 @@ def test_hermes_calls_in_order_with_their_content():
     ('{"name": "python", "arguments": {"code": ', "not valid JSON"),
     ('["python"]', 'needs a "name"'),
     ('{"name": "python", "arguments": [1]}', "must be a JSON object"),
+    ("[" * 5000, "nests JSON too deeply"),   # json.loads raised RecursionError: a crashed step
+    ('{"name": "python", "arguments": "' + "[" * 5000 + '"}', "must be a JSON object"),
 ])
 def test_badly_written_calls_become_errors(body, needle):
     (call,) = parse_hermes(f"<tool_call>\n{body}\n</tool_call>").calls
@@ -106,7 +110,22 @@ def test_python_tool_runs_code_and_contains_hostile_programs():
     assert "[output cut at 4096 bytes]" in huge and len(huge) < 5000
     bomb = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
             "        pass\n")
-    assert "[timed out" in run(bomb).text
+    me, peak = psutil.Process(), [0]
+    watching = threading.Event()
+
+    def watch():  # the bomb's processes, seen from here while it runs
+        while not watching.is_set():
+            peak[0] = max(peak[0], len(me.children(recursive=True)))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert "[timed out" in run(bomb).text
+    finally:
+        watching.set()
+        watcher.join()
+    assert peak[0] > 2 and me.children(recursive=True) == []   # it forked, none survive
     assert "no network" in run("import socket\ntry:\n    socket.create_connection(("
                                   "'1.1.1.1', 80), timeout=1)\nexcept OSError as e:\n"
                                   "    print('no network')\n").text

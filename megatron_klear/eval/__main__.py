@@ -7,6 +7,9 @@
 --model is a Hugging Face dir or a megatron-klear checkpoint dir (converted on the fly, with
 the tokenizer of --hf-config; the trainer's layout flags are accepted and checked against the
 model).
+With --tools (klear-rl's tool flags: --tool-parser, --max-turns, --max-tool-response-tokens,
+--tool-timeout) each sample is a multi-turn tool trajectory, --max-new-tokens its budget of
+sampled + tool tokens; the reward scores the final answer.
 Without --rollout-urls, embedded rollout servers are started on this machine.
 """
 
@@ -22,7 +25,9 @@ from megatron_klear.config import ConfigError, OneLineParser, TrainConfig, add_l
 from megatron_klear.data.prompt_flags import PromptFlags
 from megatron_klear.eval.evaluate import Benchmark, evaluate, parse_benchmark, rejudge, \
     write_report
+from megatron_klear.rollout.multi_turn import MultiTurnConfig
 from megatron_klear.rollout.sampling import SamplingParams
+from megatron_klear.rollout.tool_flags import ToolFlags, check_tools_chat_template
 
 # klear-eval's sampling flags on the one sampling contract's fields
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
@@ -53,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="eval_out")
     p.add_argument("--rejudge", default=None, help="samples.jsonl to re-score (no model)")
     p.add_argument("--seed", type=int, default=0)
+    add_section_flags(p, ToolFlags)
     add_layout_flags(p)
     return p
 
@@ -86,10 +92,12 @@ def sampling_params(args: argparse.Namespace, **request) -> SamplingParams:
                           top_p=args.top_p, **request)
 
 
-def check_args(args: argparse.Namespace) -> tuple[PromptFlags, list[Benchmark]]:
+def check_args(args: argparse.Namespace
+               ) -> tuple[PromptFlags, list[Benchmark], MultiTurnConfig | None]:
     """Validate the flags and the benchmark files (exist, first records parse, rewards
-    resolve) before any model is converted or server started; returns the prompt flags
-    and the benchmarks. Raises ConfigError / DataError naming the flag or FILE:LINE."""
+    resolve) before any model is converted or server started; returns the prompt flags,
+    the benchmarks and the tools' config (None without --tools). Raises ConfigError /
+    DataError naming the flag or FILE:LINE."""
     from megatron_klear.rewards import check_reward
 
     if not args.model or not args.benchmark:
@@ -105,12 +113,17 @@ def check_args(args: argparse.Namespace) -> tuple[PromptFlags, list[Benchmark]]:
                           "launch_sglang_servers(yarn_factor=...)); the embedded server has none")
     prompts = section_from_args(PromptFlags, args)
     prompts.check_inputs(None)
+    multi_turn = section_from_args(ToolFlags, args).multi_turn_config(args.max_new_tokens)
+    if multi_turn and prompts.prompt_template == "raw":
+        raise ConfigError("--tools renders tool calls and responses with the chat template: "
+                          "drop --prompt-template raw (--chat-template FILE for a model "
+                          "without one)")
     benches = [parse_benchmark(b, prompt_key=prompts.prompt_key, answer_key=prompts.answer_key,
                                answer_format=prompts.answer_format) for b in args.benchmark]
     for spec, bench in zip(args.benchmark, benches):
         prompts.check_prompts("--benchmark", bench.path)
         check_reward(bench.reward, f"--benchmark {spec}: reward")
-    return prompts, benches
+    return prompts, benches, multi_turn
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -120,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
         report = rejudge(args.rejudge, k=None)
         write_report(report, out, {"rejudged": args.rejudge})
         return report
-    prompts, benches = check_args(args)
+    prompts, benches, multi_turn = check_args(args)
     from megatron_klear.data.prompts import load_tokenizer, parse_chat_template_kwargs
 
     template_kwargs = parse_chat_template_kwargs(prompts.chat_template_kwargs)
@@ -130,18 +143,23 @@ def run(args: argparse.Namespace) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     hf_dir = resolve_model(args.model, out, layout_from_args(args), args.hf_config)
-    tokenizer = load_tokenizer(hf_dir, prompts.prompt_template, prompts.chat_template,
-                               template_kwargs)
+    # tools need the chat template (it renders the calls and responses): never raw
+    tokenizer = load_tokenizer(hf_dir, prompts.prompt_template or ("chat" if multi_turn else
+                                                                   None),
+                               prompts.chat_template, template_kwargs)
+    check_tools_chat_template(tokenizer, multi_turn)
     params = sampling_params(args, stop_token_ids=[tokenizer.eos_token_id])
     count, threads = embedded_server_layout(args.num_servers)
     servers = (connect(args.rollout_urls) if args.rollout_urls else
                launch_embedded_servers(str(hf_dir), count, seed=args.seed, num_threads=threads))
     with servers:
         report = evaluate(RolloutClient(servers.urls), tokenizer, benches, k=args.k,
-                          params=params, samples_path=out / "samples.jsonl", seed=args.seed)
+                          params=params, samples_path=out / "samples.jsonl", seed=args.seed,
+                          multi_turn=multi_turn)
+    tools = {"tools": args.tools, "max_turns": args.max_turns} if multi_turn else {}
     write_report(report, out, {"model": str(args.model), "k": args.k,
                                "temperature": args.temperature, "top_p": args.top_p,
-                               "max_new_tokens": args.max_new_tokens})
+                               "max_new_tokens": args.max_new_tokens, **tools})
     return report
 
 

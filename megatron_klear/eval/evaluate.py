@@ -3,6 +3,11 @@
 Every sampled response is appended to ``samples.jsonl`` (problem, response, score) as
 soon as its problem is done, so an interrupted run resumes without regenerating, and a
 report can be recomputed from the samples alone (re-judging).
+
+With tools (``multi_turn``, klear-eval ``--tools``) each sample is a multi-turn tool
+trajectory (rollout/multi_turn.py, the generate stage klear-rl trains on); the reward scores
+its final answer, the record keeps the conversation after the prompt and the turn counts, and
+the report adds the per-sample means of calls, tool errors and turn-limit hits.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from megatron_klear.data.records_io import write_text
 from megatron_klear.rewards import score_batch
 from megatron_klear.rewards.metrics import pass_at_k
 from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.multi_turn import MultiTurnConfig, generate_tool_turns
+from megatron_klear.rollout.pipeline import RolloutContext
 
 
 @dataclass
@@ -63,11 +70,14 @@ def _done(samples_path: Path) -> dict[tuple[str, int], list[dict]]:
 
 def evaluate(client: RolloutClient, tokenizer: Any, benchmarks: Sequence[Benchmark], *,
              k: int, params: SamplingParams, samples_path: str | Path | None = None,
-             batch_problems: int = 16, progress: bool = True, seed: int = 0) -> dict[str, dict]:
+             batch_problems: int = 16, progress: bool = True, seed: int = 0,
+             multi_turn: MultiTurnConfig | None = None) -> dict[str, dict]:
     """Sample ``k`` responses per problem, score them, and return the report per benchmark.
 
     Problem i is sampled with ``sampling_seed`` derived from (seed, i): results do not
     depend on batching or on which server answers, so a resumed run matches a full one.
+    ``multi_turn``: sample tool-using trajectories instead (``params.max_new_tokens`` is then
+    each trajectory's budget of sampled + tool tokens, as klear-rl's).
     """
     samples_path = Path(samples_path) if samples_path else None
     done = _done(samples_path) if samples_path else {}
@@ -86,7 +96,9 @@ def evaluate(client: RolloutClient, tokenizer: Any, benchmarks: Sequence[Benchma
                    disable=not progress)
         for start in range(0, len(todo), batch_problems):
             chunk = todo[start:start + batch_problems]
-            new = _sample_and_score(client, tokenizer, bench, chunk, params, seed)
+            new = (_sample_tool_turns(client, tokenizer, bench, chunk, params, seed, multi_turn)
+                   if multi_turn else
+                   _sample_and_score(client, tokenizer, bench, chunk, params, seed))
             if samples_path:
                 with samples_path.open("a") as f:
                     f.write("".join(json.dumps(r) + "\n" for r in new))
@@ -98,12 +110,15 @@ def evaluate(client: RolloutClient, tokenizer: Any, benchmarks: Sequence[Benchma
     return summarize(records, k)
 
 
+def _problem_seeds(problems, seed: int) -> list[int]:
+    return [(seed * 1_000_003 + p.index) % 2**31 for p in problems]
+
+
 def _sample_and_score(client, tokenizer, bench: Benchmark, problems, params, seed: int
                       ) -> list[dict]:
     prompts = [tokenizer(render_prompt(tokenizer, p.messages), add_special_tokens=False)
                ["input_ids"] for p in problems]
-    gens = client.generate(prompts, params, [(seed * 1_000_003 + p.index) % 2**31
-                                             for p in problems])
+    gens = client.generate(prompts, params, _problem_seeds(problems, seed))
     flat = [(p, g) for p, group in zip(problems, gens) for g in group]
     scores = score_batch(bench.reward, [g.text for _, g in flat], [p.label for p, _ in flat])
     return [{"benchmark": bench.name, "problem": p.index, "reward_name": bench.reward,
@@ -112,8 +127,40 @@ def _sample_and_score(client, tokenizer, bench: Benchmark, problems, params, see
             for (p, g), s in zip(flat, scores)]
 
 
+def _sample_tool_turns(client, tokenizer, bench: Benchmark, problems, params, seed: int,
+                       multi_turn: MultiTurnConfig) -> list[dict]:
+    """k multi-turn tool trajectories per problem, their final answers scored by the
+    benchmark's reward; each record adds the turns, calls, tool errors, why it stopped, the
+    model's and the tools' token counts and the conversation after the prompt."""
+    ctx = RolloutContext(client, tokenizer, params, bench.reward, 1.0, multi_turn=multi_turn)
+    samples = generate_tool_turns(ctx, problems, _problem_seeds(problems, seed))
+    scores = score_batch(bench.reward, [s.response_text for s in samples],
+                         [s.label for s in samples])
+    records = []
+    for s, score in zip(samples, scores):
+        t, model = s.trajectory, sum(s.loss_mask)
+        records.append({
+            "benchmark": bench.name, "problem": s.prompt_index, "reward_name": bench.reward,
+            "label": s.label, "response": s.response_text,
+            "response_tokens": len(s.response_ids), "finish_reason": s.finish_reason,
+            "score": float(score), "turns": len(t.turn_spans), "tool_calls": t.calls,
+            "tool_errors": t.tool_errors, "stop_reason": t.stop_reason,
+            "model_tokens": model, "tool_tokens": len(s.response_ids) - model,
+            "messages": t.messages[len(problems[s.group].messages):]})
+    return records
+
+
+# klear-eval's per-sample means of multi-turn records (report key: record field or test)
+TOOL_METRICS = {"mean_turns": "turns", "tool_calls_per_sample": "tool_calls",
+                "tool_errors_per_sample": "tool_errors",
+                "turn_limit_rate": lambda r: r["stop_reason"] == "max_turns",
+                "token_limit_rate": lambda r: r["stop_reason"] == "max_response_tokens",
+                "mean_model_tokens": "model_tokens", "mean_tool_tokens": "tool_tokens"}
+
+
 def summarize(records: Iterable[dict], k: int) -> dict[str, dict]:
-    """avg@k, unbiased pass@k, mean response length and truncation rate per benchmark."""
+    """avg@k, unbiased pass@k, mean response length and truncation rate per benchmark;
+    for tool trajectories also :data:`TOOL_METRICS` (per-sample means)."""
     by_problem: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         by_problem[r["benchmark"]][r["problem"]].append(r)
@@ -132,6 +179,10 @@ def summarize(records: Iterable[dict], k: int) -> dict[str, dict]:
             "mean_response_tokens": sum(r["response_tokens"] for r in samples) / len(samples),
             "truncation_rate": sum(r["finish_reason"] == "length" for r in samples) / len(samples),
         }
+        if all("tool_calls" in r for r in samples):  # multi-turn tool trajectories
+            report[bench].update({key: mean(float(r[f] if isinstance(f, str) else f(r))
+                                            for r in samples)
+                                  for key, f in TOOL_METRICS.items()})
     return report
 
 

@@ -40,7 +40,7 @@ from megatron_klear.rollout.tool_calls import ParsedTurn, ToolCall, ToolParser, 
 from megatron_klear.rollout.tools import Tool, run_tool_call
 
 __all__ = ["MultiTurnConfig", "Trajectory", "generate_tool_turns", "tool_response_ids",
-           "turn_request_seed", "ToolTemplateError", "STOP_REASONS"]
+           "check_tool_template", "turn_request_seed", "ToolTemplateError", "STOP_REASONS"]
 
 # why a trajectory ended: the model answered without a call; the turn limit; the response
 # token budget; the engine cut a turn at its token limit ("length") or aborted it
@@ -163,7 +163,27 @@ def _turn_end_text(tokenizer: Any, tools: list[dict] | None) -> str:
     """The text the template closes an assistant turn with (Qwen3: '<|im_end|>\\n')."""
     probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
     text = _render(tokenizer, probe, tools, False)
+    if _MARK not in text:
+        raise ToolTemplateError("the chat template drops the assistant's content; use a "
+                                "template with tool support (--chat-template FILE)")
     return text[text.index(_MARK) + len(_MARK):]
+
+
+def check_tool_template(tokenizer: Any, cfg: MultiTurnConfig) -> None:
+    """Refuse, before a run builds anything, a chat template that cannot carry ``cfg``'s
+    tool turns: a probe conversation (a question, an assistant turn with a call ended by the
+    tokenizer's EOS, one tool response) must give its glue as :func:`tool_response_ids`
+    takes it. Raises ToolTemplateError saying why."""
+    schemas = [t.schema for t in cfg.tools.values()] or None
+    turn_end = _turn_end_text(tokenizer, schemas)
+    eos = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) \
+        if tokenizer.eos_token_id is not None else ""
+    name = next(iter(cfg.tools), "tool")
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": '<tool_call>\n{"name": "' + name +
+                 '", "arguments": {}}\n</tool_call>'}]
+    tool_response_ids(tokenizer, messages, [{"role": "tool", "content": "1"}],
+                      eos if eos and turn_end.startswith(eos) else "", schemas)
 
 
 @dataclass

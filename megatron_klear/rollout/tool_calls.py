@@ -57,6 +57,9 @@ def _hermes_call(body: str) -> ToolCall:
     except json.JSONDecodeError as exc:
         return ToolCall("", error=f"the tool call is not valid JSON ({exc.msg} at char "
                         f"{exc.pos}); write {{\"name\": ..., \"arguments\": {{...}}}}")
+    except RecursionError:  # a model can nest brackets past the decoder's recursion limit
+        return ToolCall("", error="the tool call nests JSON too deeply; write "
+                        "{\"name\": ..., \"arguments\": {...}}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ToolCall("", error='the tool call needs a "name" string: write '
                         '{"name": ..., "arguments": {...}}')
@@ -64,7 +67,7 @@ def _hermes_call(body: str) -> ToolCall:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(args, dict):
         return ToolCall(obj["name"], error=f'the "arguments" of tool {obj["name"]!r} must be '

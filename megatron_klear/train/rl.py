@@ -25,6 +25,7 @@ from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation
     old_logprobs, policy_loss_fn, step_means
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs
+from megatron_klear.rollout.tool_flags import check_tools_chat_template
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine
 from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
@@ -44,6 +45,7 @@ def train(cfg: RLConfig) -> list[dict]:
     arch = model_arch(cfg)
     tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template,
                                parse_chat_template_kwargs(cfg.chat_template_kwargs))
+    check_tools_chat_template(tokenizer, cfg.multi_turn_config(cfg.rollout_max_response_len))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
     run = start_run(cfg, arch, "consumed_prompts", after_build=cfg.derive)
@@ -91,7 +93,8 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
                                 overlong_filter=cfg.overlong_filter,
                                 prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),
                                 remote=cfg.remote_reward(), overlong=cfg.overlong_shaping(),
-                                stages=cfg.rollout_stages, multi_turn=cfg.multi_turn_config())
+                                stages=cfg.rollout_stages, multi_turn=cfg.multi_turn_config(
+                                    cfg.rollout_max_response_len))
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
 
@@ -180,7 +183,8 @@ def trainable_groups(cfg: RLConfig, groups: int, dp: int) -> int:
 
 
 def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
-    """avg@k / pass@k of the current policy on ``--eval-data`` (rank 0 evaluates)."""
+    """avg@k / pass@k of the current policy on ``--eval-data`` (rank 0 evaluates); with
+    ``--tools``, of tool-using trajectories, as klear-eval's (its tool metrics too)."""
     from megatron_klear.eval.evaluate import Benchmark, evaluate
 
     report = None
@@ -190,7 +194,8 @@ def periodic_eval(cfg: RLConfig, client: Any, tokenizer: Any) -> dict:
                           answer_format=cfg.answer_format)
         params = cfg.eval_sampling_params(stop_token_ids=[tokenizer.eos_token_id])
         report = evaluate(client, tokenizer, [bench], k=cfg.eval_k, params=params,
-                          progress=False)["eval"]
+                          progress=False,
+                          multi_turn=cfg.multi_turn_config(params.max_new_tokens))["eval"]
     report = broadcast_batch(report)
     return {f"eval/{k}": v for k, v in report.items()}
 

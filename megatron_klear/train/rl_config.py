@@ -23,6 +23,7 @@ from megatron_klear.rewards import check_reward
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.rollout.sampling import SamplingParams
+from megatron_klear.rollout.tool_flags import ToolFlags
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
 
@@ -132,63 +133,6 @@ class RolloutStageFlags(Section):
             build_pipeline(self.rollout_stages)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-
-@dataclass
-class ToolFlags(Section):
-    """Multi-turn tool rollouts (issue 40; rollout/multi_turn.py, docs/rollout.md)."""
-
-    title = "multi-turn tools"
-    tools: list[str] | None = opt(None, "multi-turn tool rollouts with these tools: python (runs "
-                                  "the model's code in the sandbox) and/or user tools by "
-                                  "import path pkg.mod:fn (a function with a JSON schema, "
-                                  "@megatron_klear.rollout.tools.tool); the model calls them "
-                                  "across turns, tool tokens are not trained")
-    tool_parser: str = opt("hermes", "how tool calls are written: hermes = qwen3 "
-                           "(<tool_call>{json}</tool_call>), or an import path pkg.mod:fn")
-    max_turns: int = opt(4, "with --tools: assistant turns per trajectory (the response budget "
-                         "is --rollout-max-response-len, sampled + tool tokens)")
-    max_tool_response_tokens: int = opt(256, "with --tools: a tool response longer than this is "
-                                        "cut, with a note to the model")
-    tool_timeout: float = opt(5.0, "with --tools: wall seconds per tool call (then an error "
-                              "message to the model)")
-
-    def validate_section(self) -> None:
-        """Tools load, the parser exists, limits are positive."""
-        if not self.tools:
-            return
-        if self.max_turns < 1 or self.max_tool_response_tokens < 1 or not self.tool_timeout > 0:
-            raise ConfigError("--max-turns and --max-tool-response-tokens must be >= 1 and "
-                              "--tool-timeout > 0")
-        self.multi_turn_config()
-
-    def multi_turn_config(self) -> Any:
-        """The rollout/multi_turn.py ``MultiTurnConfig`` of the ``--tools`` flags, or None."""
-        if not self.tools:
-            return None
-        from megatron_klear.rewards.sandbox import SandboxLimits
-        from megatron_klear.rollout.multi_turn import MultiTurnConfig
-        from megatron_klear.rollout.tool_calls import get_tool_parser
-        from megatron_klear.rollout.tools import load_tool, python_tool
-
-        tools = {}
-        for spec in self.tools:
-            try:
-                t = python_tool(SandboxLimits(wall_s=self.tool_timeout, output_bytes=64 << 10)) \
-                    if spec == "python" else load_tool(spec)
-            except ValueError as e:
-                raise ConfigError(f"--tools {spec}: {e}; use python or pkg.mod:fn") from None
-            if t.name in tools:
-                raise ConfigError(f"--tools: two tools are named {t.name!r}")
-            tools[t.name] = t
-        try:
-            parser = get_tool_parser(self.tool_parser)
-        except ValueError as e:
-            raise ConfigError(f"--tool-parser: {e}") from None
-        return MultiTurnConfig(tools, parser, max_turns=self.max_turns,
-                               max_response_tokens=self.rollout_max_response_len,
-                               max_tool_response_tokens=self.max_tool_response_tokens,
-                               tool_wall_s=self.tool_timeout)
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""The ``--tools`` flags of multi-turn tool rollouts, shared by klear-rl and klear-eval.
+
+One :class:`ToolFlags` section (config.py's sections): same names, defaults, help and checks
+in both CLIs, as data/prompt_flags.py's prompt flags. The response budget of a trajectory
+(sampled + tool + template tokens) is the CLI's own length flag: klear-rl's
+``--rollout-max-response-len``, klear-eval's ``--max-new-tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_klear.config import ConfigError, Section, opt
+from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError, \
+    check_tool_template
+from megatron_klear.rollout.tool_calls import ToolParser, get_tool_parser
+from megatron_klear.rollout.tools import Tool, load_tool, python_tool
+
+__all__ = ["ToolFlags", "check_tools_chat_template"]
+
+
+@dataclass
+class ToolFlags(Section):
+    """Multi-turn tool rollouts (issue 40; rollout/multi_turn.py, docs/rollout.md)."""
+
+    title = "multi-turn tools"
+    tools: list[str] | None = opt(None, "multi-turn tool rollouts with these tools: python (runs "
+                                  "the model's code in the sandbox) and/or user tools by "
+                                  "import path pkg.mod:fn (a function with a JSON schema, "
+                                  "@megatron_klear.rollout.tools.tool); the model calls them "
+                                  "across turns, tool tokens are not trained")
+    tool_parser: str = opt("hermes", "how tool calls are written: hermes = qwen3 "
+                           "(<tool_call>{json}</tool_call>), or an import path pkg.mod:fn")
+    max_turns: int = opt(4, "with --tools: assistant turns per trajectory (the response budget, "
+                         "sampled + tool tokens, is klear-rl's --rollout-max-response-len, "
+                         "klear-eval's --max-new-tokens)")
+    max_tool_response_tokens: int = opt(256, "with --tools: a tool response longer than this is "
+                                        "cut, with a note to the model")
+    tool_timeout: float = opt(5.0, "with --tools: wall seconds per tool call (then an error "
+                              "message to the model)")
+
+    def validate_section(self) -> None:
+        """Tools load, the parser exists, limits are positive."""
+        if not self.tools:
+            return
+        if self.max_turns < 1 or self.max_tool_response_tokens < 1 or not self.tool_timeout > 0:
+            raise ConfigError("--max-turns and --max-tool-response-tokens must be >= 1 and "
+                              "--tool-timeout > 0")
+        self._tools_and_parser()
+
+    def _tools_and_parser(self) -> tuple[dict[str, Tool], ToolParser]:
+        from megatron_klear.rewards.sandbox import SandboxLimits
+
+        tools: dict[str, Tool] = {}
+        for spec in self.tools or ():
+            try:
+                t = python_tool(SandboxLimits(wall_s=self.tool_timeout, output_bytes=64 << 10)) \
+                    if spec == "python" else load_tool(spec)
+            except ValueError as e:
+                raise ConfigError(f"--tools {spec}: {e}; use python or pkg.mod:fn") from None
+            if t.name in tools:
+                raise ConfigError(f"--tools: two tools are named {t.name!r}")
+            tools[t.name] = t
+        try:
+            parser = get_tool_parser(self.tool_parser)
+        except ValueError as e:
+            raise ConfigError(f"--tool-parser: {e}") from None
+        return tools, parser
+
+    def multi_turn_config(self, max_response_tokens: int) -> MultiTurnConfig | None:
+        """The ``MultiTurnConfig`` of the ``--tools`` flags with a trajectory's response budget
+        ``max_response_tokens`` (sampled + tool tokens), or None without ``--tools``."""
+        if not self.tools:
+            return None
+        tools, parser = self._tools_and_parser()
+        return MultiTurnConfig(tools, parser, max_turns=self.max_turns,
+                               max_response_tokens=max_response_tokens,
+                               max_tool_response_tokens=self.max_tool_response_tokens,
+                               tool_wall_s=self.tool_timeout)
+
+
+def check_tools_chat_template(tokenizer: Any, multi_turn: MultiTurnConfig | None) -> None:
+    """The CLIs' pre-flight of ``--tools`` with the loaded tokenizer: ConfigError (one line,
+    exit 2) when its chat template cannot render tool turns
+    (rollout/multi_turn.py ``check_tool_template``); nothing without tools."""
+    if multi_turn is None:
+        return
+    try:
+        check_tool_template(tokenizer, multi_turn)
+    except ToolTemplateError as e:
+        raise ConfigError(f"--tools: {e}") from None
