@@ -270,16 +270,16 @@ KLEAR = ["--rollout-gen-batch-size", "8", "--max-gen-rounds", "1", "--filter-gro
          "--erc-high", "1.2", "--truncate-prompt", "left", "--rollout-max-prompt-len", "16"]
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
-                                    ["--pipeline-model-parallel-size", "2",
-                                     "--weight-sync-format", "per_tensor", *KLEAR]],
-                         ids=["tp2", "pp2-klear"])
-def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
-    args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, "--eval-data", str(prompts),
-                    "--eval-interval", "2", "--eval-k", "2",
-                    "--max-sampling-rounds", "8")  # refilling 4 groups must not hinge on luck
-    hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
-    klear = "--rollout-gen-batch-size" in layout
+def eval_flags(prompts) -> list[str]:
+    """Periodic eval every 2 steps on the training prompts; refilling 4 groups must not hinge
+    on luck."""
+    return ["--eval-data", str(prompts), "--eval-interval", "2", "--eval-k", "2",
+            "--max-sampling-rounds", "8"]
+
+
+def check_rl_history(hist: list[dict], klear: bool) -> None:
+    """A 3-step run with eval_flags(): periodic eval, zero-advantage groups, refill (or
+    Klear's one round of 8), optimizer steps, the probe after every sync, moving weights."""
     assert len(hist) == 3
     assert "eval/avg@2" not in hist[0] and hist[1]["eval/problems"] == 12  # periodic eval
     assert 0.0 <= hist[1]["eval/avg@2"] <= hist[1]["eval/pass@2"] <= 0.5  # "never" half is 0
@@ -296,6 +296,17 @@ def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
         assert m["weight_sync/probe_max_abs_diff"] < 1e-4  # server == trainer after sync
     means = [m["weight_sync/probe_logprob_mean"] for m in hist]
     assert all(abs(a - b) > 1e-5 for a, b in zip(means, means[1:]))  # weights moved each step
+
+
+# the same run at TP=2 (refill, no Klear flags) is the separate run of
+# tests/test_colocate.py::test_colocated_rl_equals_separate_rl, checked by check_rl_history
+@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2",
+                                     "--weight-sync-format", "per_tensor", *KLEAR]],
+                         ids=["pp2-klear"])
+def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
+    args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, *eval_flags(prompts))
+    hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
+    check_rl_history(hist, klear=True)
     assert (tmp_path / "ck" / "metrics.jsonl").exists()
 
 
