@@ -111,9 +111,26 @@ def _hand_step(rank, world, hf_dir):
                                           zip(weights, batch.response_ids)) / n_tok))
 
 
+def _two_rank_steps(rank, world, hf_dir):
+    """The two-rank launch of this file's fixed-batch checks: the hand-computed step at TP=2,
+    then the token-budget step against the padded one (TP=2, then PP=2); each builds its own
+    layout and seeds."""
+    return {"hand": _hand_step(rank, world, hf_dir),
+            "budget": _budget_vs_padded(rank, world, str(hf_dir))}
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(hf_model):
+    return run_distributed(_two_rank_steps, 2, hf_model)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_loss_and_clip_fractions_match_hand_computation(hf_model, tp):
-    r = run_distributed(_hand_step, tp, hf_model)[-1]
+def test_loss_and_clip_fractions_match_hand_computation(hf_model, request, tp):
+    """At TP=1 (one rank) and TP=2 (the two-rank launch that test_token_budget_step_
+    matches_padded_step_tp2_pp2 shares)."""
+    ranks = (run_distributed(_hand_step, 1, hf_model) if tp == 1 else
+             [r["hand"] for r in request.getfixturevalue("two_rank_steps")])
+    r = ranks[-1]
     got, want, n = r["got"], r["want"], r["n_tok"]
     assert abs(got["train/policy_loss"] - want["policy"]) < 1e-5
     assert abs(got["train/sft_loss"] - want["sft"]) < 1e-5
@@ -216,8 +233,8 @@ def _budget_vs_padded(rank, world, hf_dir):
     return out
 
 
-def test_token_budget_step_matches_padded_step_tp2_pp2(hf_model):
-    results = run_distributed(_budget_vs_padded, 2, str(hf_model))
+def test_token_budget_step_matches_padded_step_tp2_pp2(two_rank_steps):
+    results = [r["budget"] for r in two_rank_steps]
     for rank, per_layout in enumerate(results):
         for layout, r in per_layout.items():
             assert all(t <= 48 for t in r["pack_tokens"]), r  # the budget holds ...
