@@ -432,17 +432,11 @@ def test_rl_with_lora_trains_syncs_merged_weights_and_resumes_bitwise(hf_model, 
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
                         *_rl_args(hf_model, prompts, save, 4, "--save-interval", "1",
                                   "--max-sampling-rounds", "8", *LORA_RL)]
-    subprocess.run(cli(tmp_path / "ref"), check=True, env=env, capture_output=True)
-    hist = read_metrics(tmp_path / "ref" / "metrics.jsonl")
-    assert len(hist) == 4
-    for m in hist:
-        assert m["train/optimizer_steps"] == 2
-        assert m["weight_sync/probe_max_abs_diff"] < 1e-3
-    means = [m["weight_sync/probe_logprob_mean"] for m in hist]
-    assert all(abs(a - b) > 1e-5 for a, b in zip(means, means[1:]))
-    # the reference is the base (adapters off): once the adapters moved, the KL is not 0
-    assert hist[-1]["train/kl"] != 0
-
+    # the uninterrupted run goes side by side with the run that is killed (independent runs:
+    # their imports and model loads overlap)
+    ref_log = (tmp_path / "ref.log").open("w")
+    ref_run = subprocess.Popen(cli(tmp_path / "ref"), env=env, stdout=ref_log,
+                               stderr=subprocess.STDOUT)
     proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -454,6 +448,18 @@ def test_rl_with_lora_trains_syncs_merged_weights_and_resumes_bitwise(hf_model, 
         time.sleep(0.01)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    assert ref_run.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    ref_log.close()
+    hist = read_metrics(tmp_path / "ref" / "metrics.jsonl")
+    assert len(hist) == 4
+    for m in hist:
+        assert m["train/optimizer_steps"] == 2
+        assert m["weight_sync/probe_max_abs_diff"] < 1e-3
+    means = [m["weight_sync/probe_logprob_mean"] for m in hist]
+    assert all(abs(a - b) > 1e-5 for a, b in zip(means, means[1:]))
+    # the reference is the base (adapters off): once the adapters moved, the KL is not 0
+    assert hist[-1]["train/kl"] != 0
+
     subprocess.run(cli(tmp_path / "run"), check=True, env=env, capture_output=True)
     ref = {r["step"]: r for r in hist}
     got = {r["step"]: r for r in read_metrics(metrics)}

@@ -331,7 +331,11 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
                         *_rl_args(hf_model, prompts, save, 4, "--save-interval", "1")]
-    subprocess.run(cli(tmp_path / "ref"), check=True, env=env, capture_output=True)
+    # the uninterrupted reference runs side by side with the run that is killed (independent
+    # runs: their imports and model loads overlap)
+    ref_log = (tmp_path / "ref.log").open("w")
+    ref_run = subprocess.Popen(cli(tmp_path / "ref"), env=env, stdout=ref_log,
+                               stderr=subprocess.STDOUT)
     proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -345,6 +349,8 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
         time.sleep(0.01)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    assert ref_run.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    ref_log.close()
     # megatron's checkpoint writer (a multiprocessing Manager, started by the saves of steps
     # 1-2) and every other child die with the trainer (checkpoint/state.py)
     assert any("multiprocessing" in k for k in kinds), kinds
