@@ -80,23 +80,6 @@ def _stop_when(proc, ready, timeout=120):
     return False
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(setup):
-    """The uninterrupted 8-step run of each flag set, by step: one launch per flag set,
-    shared by the kill points that resume runs with those flags."""
-    root, hf, data = setup
-    runs: dict[tuple[str, ...], dict[int, dict]] = {}
-
-    def reference(flags: tuple[str, ...]) -> dict[int, dict]:
-        if flags not in runs:
-            ref_dir = root / ("ref" + "".join(flags).replace("-", "_"))
-            subprocess.run(_cli(hf, data, ref_dir, 8, *flags), check=True, capture_output=True,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-            runs[flags] = _final_by_step(ref_dir / "metrics.jsonl")
-        return runs[flags]
-    return reference
-
-
 def _kill_at(proc, run_dir: Path, where: str) -> None:
     """SIGKILL the trainer ``proc`` at ``where``: "mid_training" once step 5 is logged (the
     fresh run of the chain), "while_saving" while iter 6 is being written (the run resumed
@@ -119,19 +102,24 @@ def _kill_at(proc, run_dir: Path, where: str) -> None:
     # megatron-core 0.16.1's distributed optimizer resumed with a stale/shared Adam step
     (("--use-distributed-optimizer",), ("mid_training",))],
     ids=["mid_training_then_while_saving", "mid_training_distributed_optimizer"])
-def test_sigkill_resume_is_exact(setup, uninterrupted, flags, kills):
+def test_sigkill_resume_is_exact(setup, flags, kills):
     """One run killed at each of ``kills`` in turn (each kill in the run resumed after the
     previous one: mid-training after step 5, then while saving iter 6), then resumed to the
-    end: the same losses and samples as the uninterrupted run, bitwise, none repeated."""
+    end: the same losses and samples as the uninterrupted 8-step run with the same flags
+    (which runs side by side with the killed ones), bitwise, none repeated."""
     root, hf, data = setup
-    run_dir = root / ("run" + "".join(flags).replace("-", "_"))
+    tag = "".join(flags).replace("-", "_")
+    run_dir, ref_dir = root / f"run{tag}", root / f"ref{tag}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    ref = uninterrupted(flags)
+    ref_run = subprocess.Popen(_cli(hf, data, ref_dir, 8, *flags), env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for where in kills:
         proc = subprocess.Popen(_cli(hf, data, run_dir, 8, *flags), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _kill_at(proc, run_dir, where)
     subprocess.run(_cli(hf, data, run_dir, 8, *flags), check=True, env=env, capture_output=True)
+    assert ref_run.wait(timeout=300) == 0, "the uninterrupted run failed"
+    ref = _final_by_step(ref_dir / "metrics.jsonl")
     got = _final_by_step(run_dir / "metrics.jsonl")
     assert sorted(got) == sorted(ref) == list(range(1, 9))
     for step in range(1, 9):  # bitwise-identical losses, identical samples, in order
