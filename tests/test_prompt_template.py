@@ -107,21 +107,19 @@ def _eval(hf, data, out, *extra):
 
 
 def test_klear_rl_and_klear_eval_run_without_a_chat_template(plain_model, tmp_path):
-    """The two CLIs side by side (independent runs: imports and model loads overlap)."""
     hf, data = plain_model
     with socket.socket() as busy:  # one-process klear-rl picks a free port, not torch's 29500
         busy.bind(("127.0.0.1", 29500))
         busy.listen()
-        rl, ev = (subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-                  for argv in (_rl(hf, data, tmp_path / "rl"), _eval(hf, data, tmp_path / "ev")))
-        rl_err = rl.communicate(timeout=300)[1]
-    ev_err = ev.communicate(timeout=300)[1]
-    assert rl.returncode == 0, rl_err[-3000:]
-    assert "prompts are rendered raw" in rl_err
+        rl = subprocess.run(_rl(hf, data, tmp_path / "rl"), capture_output=True, text=True,
+                            timeout=300)
+    assert rl.returncode == 0, rl.stderr[-3000:]
+    assert "prompts are rendered raw" in rl.stderr
     assert len((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()) == 1
-    assert ev.returncode == 0, ev_err[-3000:]
-    assert "prompts are rendered raw" in ev_err
+    ev = subprocess.run(_eval(hf, data, tmp_path / "ev"), capture_output=True, text=True,
+                        timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "prompts are rendered raw" in ev.stderr
     report = json.loads((tmp_path / "ev" / "report.json").read_text())["benchmarks"]
     assert report["toy"]["samples"] == 8
 
