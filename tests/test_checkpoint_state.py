@@ -182,13 +182,18 @@ def _recovery_checks(rank, world, hf_dir: Path, root: Path):
     return res
 
 
+def _all_checks(rank, world, hf_dir: Path, root: Path):
+    """Both sets of checks in one launch of 2 ranks (each sets its own layout and seeds)."""
+    return (_resume_checks(rank, world, hf_dir, root / "ckpt"),
+            _recovery_checks(rank, world, hf_dir, root / "recovery"))
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("state")
     hf_dir = save_tiny_hf_model(root / "hf", std=0.2)
-    resume = run_distributed(_resume_checks, 2, hf_dir, root / "ckpt")
-    recovery = run_distributed(_recovery_checks, 2, hf_dir, root / "recovery")
-    return {**resume[0], **resume[1]}, recovery[0]
+    (resume0, recovery0), (resume1, _) = run_distributed(_all_checks, 2, hf_dir, root)
+    return {**resume0, **resume1}, recovery0
 
 
 def test_same_layout_resume_is_exact(results):

@@ -98,48 +98,51 @@ def test_table_rows_exit_2_with_one_line_in_dry_and_real_run(inputs, row):
     _one_line_exit_2(real, wants)
 
 
-def test_the_same_flags_pass_when_valid(inputs):
+def test_the_same_flags_pass_when_valid(inputs, capsys, monkeypatch):
     """The control of the rows: valid inputs pass the checks (the dry run plans, exit 0);
-    routing replay on the MoE model is accepted."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_klear.train.rl", "--dry-run",
-                           "--hf-checkpoint", inputs["moe"], "--prompt-data", inputs["good"],
-                           "--use-routing-replay", "--reward", "math_klear",
-                           "--eval-data", inputs["good"]],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    routing replay on the MoE model is accepted (klear-rl's main, in this process)."""
+    from megatron_klear.train import rl
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rl.main(["--dry-run", "--hf-checkpoint", inputs["moe"], "--prompt-data", inputs["good"],
+             "--use-routing-replay", "--reward", "math_klear", "--eval-data", inputs["good"]])
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("{"):])
     assert report["config"]["global_batch_size"] == 16 * 8  # derived: mini-batch x n
 
 
-def test_sft_data_and_eval_benchmarks_exit_2_with_one_line(inputs, capsys):
+def _exits_2_with_one_line(main, argv: list[str], wants: str, capsys) -> None:
+    """``main(argv)`` (a console script's function, in this process) exits 2 with one line
+    on stderr that names ``wants``."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2 and len(lines) == 1 and wants in lines[0], lines
+
+
+def test_sft_data_and_eval_benchmarks_exit_2_with_one_line(inputs, capsys, monkeypatch):
     """klear-sft's --data-path (missing in the dry run; a torn line in the real run) and
     klear-eval's --benchmark files, reward and flags, before any model is converted or
-    server started (two through the CLI, the rest through klear-eval's main here)."""
+    server started (through the console scripts' functions, in this process)."""
     from megatron_klear.eval.__main__ import main as eval_main
+    from megatron_klear.train import sft
 
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     missing = str(inputs["dir"] / "none.jsonl")
     out_dir = str(inputs["dir"] / "eval")
-    sft = ["--hf-checkpoint", inputs["dense"]]
-    procs = [
-        (_start("megatron_klear.train.sft", sft + ["--data-path", missing, "--dry-run"]),
-         f"--data-path {missing}: no such file"),
-        (_start("megatron_klear.train.sft", sft + ["--data-path", inputs["sft_torn"]]),
-         f"{inputs['sft_torn']}:2"),
-        (_start("megatron_klear.eval", ["--model", inputs["dense"], "--out-dir", out_dir,
-                                        "--benchmark", missing]),
-         f"--benchmark {missing}: no such file"),
-    ]
-    for proc, wants in procs:
-        _one_line_exit_2(proc, wants)
-    for flags, wants in ((["--benchmark", inputs["torn"]], f"{inputs['torn']}:3"),
+    base = ["--hf-checkpoint", inputs["dense"]]
+    _exits_2_with_one_line(sft.main, base + ["--data-path", missing, "--dry-run"],
+                           f"--data-path {missing}: no such file", capsys)
+    _exits_2_with_one_line(sft.main, base + ["--data-path", inputs["sft_torn"]],
+                           f"{inputs['sft_torn']}:2", capsys)
+    for flags, wants in ((["--benchmark", missing], f"--benchmark {missing}: no such file"),
+                         (["--benchmark", inputs["torn"]], f"{inputs['torn']}:3"),
                          (["--benchmark", inputs["good"] + "@maht"], "reward maht"),
                          (["--benchmark", inputs["good"], "--top-p", "0"], "--top-p"),
                          (["--benchmark", inputs["good"], "--answer-format", "gsm9k"],
                           "--answer-format")):
-        with pytest.raises(SystemExit) as exit_info:
-            eval_main(["--model", inputs["dense"], "--out-dir", out_dir, *flags])
-        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert exit_info.value.code == 2 and len(lines) == 1 and wants in lines[0], lines
+        _exits_2_with_one_line(eval_main, ["--model", inputs["dense"], "--out-dir", out_dir,
+                                           *flags], wants, capsys)
     assert not Path(out_dir).exists()  # nothing written, nothing started
 
 
@@ -167,12 +170,8 @@ def test_other_bad_rl_inputs_exit_2_with_one_line(inputs, capsys, flags, wants, 
     flags = [f.format(**inputs) for f in flags]
     wants = wants.format(**inputs)
     for extra in (["--dry-run"], []):
-        with pytest.raises(SystemExit) as exit_info:
-            rl.main(["--hf-checkpoint", inputs["dense"], "--prompt-data", inputs["good"],
-                     *flags, *extra])
-        err = capsys.readouterr().err
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert exit_info.value.code == 2 and len(lines) == 1 and wants in lines[0], err
+        _exits_2_with_one_line(rl.main, ["--hf-checkpoint", inputs["dense"], "--prompt-data",
+                                         inputs["good"], *flags, *extra], wants, capsys)
 
 
 @pytest.mark.parametrize("style", ["constant", "cosine", "linear"])

@@ -16,6 +16,7 @@ from megatron_klear.rollout.tensor_handles import (bucket_tensors, deserialize, 
                                                    shared_buffer)
 from tests.dist import run_distributed
 from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
+from tests.test_rl import hf_model, prompts  # noqa: F401 (fixtures)
 from tests.test_weight_sync import PROBE_IDS, SYNCED_TOL, _hf_bytes, _post
 from tests.virtual_cuda import run_strict
 
@@ -122,28 +123,31 @@ def _separate_then_colocated(rank: int, world: int, argv: list[str], root: str) 
     for mode, extra in (("separate", []), ("colocated", colocated)):
         hist = train(parse_config(RLConfig, argv + extra + ["--save", f"{root}/{mode}"]))
         out[mode] = [{k: m.get(k) for k in keys} for m in hist]
-        out[mode + "_all"] = [{k: v for k, v in m.items() if isinstance(v, float)}
-                              for m in hist]
+        out[mode + "_all"] = hist
     return out
 
 
-def test_colocated_rl_equals_separate_rl(model_dir, tmp_path):
+def test_colocated_rl_equals_separate_rl(hf_model, prompts, tmp_path):
     """klear-rl --colocate (TP=2, the quickstart's layout) against the embedded server: the
     same losses, grad norms, rewards and probe log-probs as the separate mode, step for step
     (seeded rollouts on the same weights: handles and broadcast deliver the same bytes);
-    the probe below 1e-4 after every colocated sync; the trainer offloaded between steps."""
-    from tests.test_rl import _rl_args
+    the probe below 1e-4 after every colocated sync; the trainer offloaded between steps.
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "Say something about {i}.", "answer": '
-                               f'"{"never" if i % 2 else "x"}"}}\n' for i in range(12)))
-    argv = _rl_args(model_dir, prompts, tmp_path / "unused", 2, "--tensor-model-parallel-size",
-                    "2", "--max-sampling-rounds", "8")
+    The separate run is also klear-rl's TP=2 run with the embedded server (one launch for
+    both): tests/test_rl.py's check_rl_history (periodic eval, refill past the zero-advantage
+    groups, two optimizer steps a step, the probe after every sync, moving weights) and its
+    metrics.jsonl."""
+    from tests.test_rl import _rl_args, check_rl_history, eval_flags
+
+    argv = _rl_args(hf_model, prompts, tmp_path / "unused", 3, "--tensor-model-parallel-size",
+                    "2", *eval_flags(prompts))
     r = run_distributed(_separate_then_colocated, 2, argv, str(tmp_path), timeout=500)[0]
+    check_rl_history(r["separate_all"], klear=False)
+    assert (tmp_path / "separate" / "metrics.jsonl").exists()
     assert r["colocated"] == r["separate"]
     means = [m["weight_sync/probe_logprob_mean"] for m in r["colocated"]]
     assert means[0] != means[1]  # the weights moved
-    assert r["colocated"][0]["weight_sync/bytes"] == _hf_bytes(model_dir)  # each tensor once
+    assert r["colocated"][0]["weight_sync/bytes"] == _hf_bytes(hf_model)  # each tensor once
     for m in r["colocated_all"]:
         assert m["weight_sync/probe_max_abs_diff"] < SYNCED_TOL
         assert m["colocate/offloaded_bytes"] > 0
@@ -212,7 +216,7 @@ def _strict_colocated(rank: int, world: int, argv: list[str]) -> list[dict]:
             for m in train(parse_config(RLConfig, argv))]
 
 
-def test_colocated_run_as_the_launch_script_starts_it(model_dir, tmp_path):
+def test_colocated_run_as_the_launch_script_starts_it(model_dir, prompts, tmp_path):
     """Issue 38, defects 1 and 2, on the strict virtual-CUDA mode (the trainer's tensors
     play cuda:LOCAL_RANK): two engines started and released (kv_cache, weights) before the
     trainer starts, exactly as run_rl_colocate.sh does, one per GPU (CUDA_VISIBLE_DEVICES 0
@@ -224,9 +228,6 @@ def test_colocated_run_as_the_launch_script_starts_it(model_dir, tmp_path):
     back for each save."""
     from tests.test_rl import _rl_args
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "Say something about {i}.", "answer": '
-                               f'"{"never" if i % 2 else "x"}"}}\n' for i in range(12)))
     with launch_embedded_servers(model_dir, 2) as servers:
         for url in servers.urls:  # the launch script's release, before the trainer starts
             assert _post(url, "/release_memory_occupation",

@@ -1,11 +1,13 @@
 """Every example script parses (bash -n) and validates its config with --dry-run, no GPUs."""
 
+import concurrent.futures
 import functools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -19,15 +21,37 @@ def test_bash_syntax(script):
 
 
 TRAINERS = [s for s in SCRIPTS if s.name.startswith("run_")]
+COLOCATE = ROOT / "examples" / "single_node_8gpu" / "run_rl_colocate.sh"
+SMALL_POOL = ("--sglang-mem-fraction-static", "0.1")  # a KV pool too small for a sequence
+
+
+# two dry runs side by side: each is one process of imports and arithmetic (one core), so a
+# 2-core box runs the scripts' dry runs in about half the time
+_LAUNCHER = concurrent.futures.ThreadPoolExecutor(2)
 
 
 @functools.cache
+def _started(script: Path, *extra: str) -> concurrent.futures.Future:
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+    return _LAUNCHER.submit(subprocess.run, ["bash", str(script), "--dry-run", *extra], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+
+
 def dry_run(script: Path, *extra: str) -> subprocess.CompletedProcess:
     """``bash script --dry-run *extra``, launched once per command line: the tests that check
     different things of the same dry run share it."""
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
-    return subprocess.run(["bash", str(script), "--dry-run", *extra], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return _started(script, *extra).result()
+
+
+@pytest.fixture(scope="module")
+def trainer_dry_runs() -> Iterator[None]:
+    """Start every trainer script's dry run (and the colocated plan's failing variant) at
+    once, two at a time, for the tests below to take as they come; the ones a selection of
+    tests did not take are cancelled at the module's end."""
+    started = [_started(script) for script in TRAINERS] + [_started(COLOCATE, *SMALL_POOL)]
+    yield
+    for future in started:
+        future.cancel()
 
 
 def dry_run_report(proc: subprocess.CompletedProcess) -> dict:
@@ -36,7 +60,7 @@ def dry_run_report(proc: subprocess.CompletedProcess) -> dict:
 
 
 @pytest.mark.parametrize("script", TRAINERS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_dry_run_validates_config(script):
+def test_dry_run_validates_config(trainer_dry_runs, script):
     proc = dry_run(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = dry_run_report(proc)
@@ -95,15 +119,12 @@ def test_quickstart_dry_run(tmp_path):
     assert proc.stdout.count("config OK") == 2 and not (tmp_path / "qs").exists()
 
 
-COLOCATE = ROOT / "examples" / "single_node_8gpu" / "run_rl_colocate.sh"
-
-
 def _colocate_dry_run(*extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     proc = dry_run(COLOCATE, *extra)  # without extra: test_dry_run_validates_config's run
     return proc, dry_run_report(proc)["dry_run"]
 
 
-def test_colocated_8b_dry_run_plans_both_phases():
+def test_colocated_8b_dry_run_plans_both_phases(trainer_dry_runs):
     """Qwen3-8B at 32K colocated on 8 x 80 GB (TP4 x DP2 trainer, four TP2 engines): the
     plan fits, with the engine weights and KV cache computed by hand: 8.19e9 parameters in
     bf16 over TP2 = 7.63 GiB per GPU; a KV token = 2 (K, V) x 36 layers x 8/2 KV heads x 128
@@ -118,7 +139,7 @@ def test_colocated_8b_dry_run_plans_both_phases():
     assert colo["fits"] and colo["engine_weights_gib"] == 7.63, colo
     assert abs(colo["kv_sequences"] - 23.85) < 0.06, colo
     assert colo["training_gib"] == round(report["memory"]["gib"]["total"] + 2.0, 2)
-    proc, report = _colocate_dry_run("--sglang-mem-fraction-static", "0.1")
+    proc, report = _colocate_dry_run(*SMALL_POOL)
     assert proc.returncode == 2 and not report["colocated"]["fits"]
     err = proc.stderr.strip().splitlines()[-1]
     assert "holds no 36864-token sequence" in err, err

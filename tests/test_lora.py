@@ -406,28 +406,20 @@ def test_adapter_gradients_are_the_same_at_tp1_tp2_and_with_sequence_parallel(la
 
 
 # ---------------------------------------------------------------- klear-rl with LoRA
-from tests.test_rl import _rl_args, _rl_train, hf_model, prompts  # noqa: E402,F401 (fixtures)
+from tests.test_rl import _rl_args, hf_model, prompts  # noqa: E402,F401 (fixtures)
 
 LORA_RL = ["--lora-rank", "8", "--lora-alpha", "16", "--kl-coef", "0.01"]
 
 
-def test_rl_with_lora_trains_and_syncs_merged_weights(hf_model, prompts, tmp_path):
-    """klear-rl at TP2 with LoRA and a KL term (reference: the base, adapters off): every
-    step trains, the servers match the trainer after every sync, the weights move."""
-    args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, "--tensor-model-parallel-size", "2",
-                    "--max-sampling-rounds", "8", *LORA_RL)
-    hist = run_distributed(_rl_train, 2, args, timeout=500)[0]
-    assert len(hist) == 3
-    for m in hist:
-        assert m["train/optimizer_steps"] == 2
-        assert m["weight_sync/probe_max_abs_diff"] < 1e-3
-    means = [m["weight_sync/probe_logprob_mean"] for m in hist]
-    assert all(abs(a - b) > 1e-5 for a, b in zip(means, means[1:]))
-    # the reference is the base (adapters off): once the adapters moved, the KL is not 0
-    assert hist[-1]["train/kl"] != 0
-
-
-def test_killed_rl_run_with_lora_resumes_bitwise(hf_model, prompts, tmp_path):
+def test_rl_with_lora_trains_syncs_merged_weights_and_resumes_bitwise(hf_model, prompts,
+                                                                     tmp_path):
+    """klear-rl with LoRA and a KL term (reference: the base, adapters off), one uninterrupted
+    4-step run that is both the plain run and the reference of a SIGKILLed and resumed one:
+    every step trains (two optimizer steps), the servers match the trainer after every sync
+    (merged weights), the weights move, the KL is not 0 once the adapters moved; the killed
+    run, resumed from its last save, repeats the reference bitwise. (TP=2's merged weights
+    are test_trainer_export_writes_merged_weights_and_a_peft_folder_that_agree's: the sync
+    and the export walk the same hf_bridge.export_views.)"""
     import os
     import signal
     import subprocess
@@ -438,8 +430,13 @@ def test_killed_rl_run_with_lora_resumes_bitwise(hf_model, prompts, tmp_path):
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
-                        *_rl_args(hf_model, prompts, save, 4, "--save-interval", "1", *LORA_RL)]
-    subprocess.run(cli(tmp_path / "ref"), check=True, env=env, capture_output=True)
+                        *_rl_args(hf_model, prompts, save, 4, "--save-interval", "1",
+                                  "--max-sampling-rounds", "8", *LORA_RL)]
+    # the uninterrupted run goes side by side with the run that is killed (independent runs:
+    # their imports and model loads overlap)
+    ref_log = (tmp_path / "ref.log").open("w")
+    ref_run = subprocess.Popen(cli(tmp_path / "ref"), env=env, stdout=ref_log,
+                               stderr=subprocess.STDOUT)
     proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -451,8 +448,20 @@ def test_killed_rl_run_with_lora_resumes_bitwise(hf_model, prompts, tmp_path):
         time.sleep(0.01)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    assert ref_run.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    ref_log.close()
+    hist = read_metrics(tmp_path / "ref" / "metrics.jsonl")
+    assert len(hist) == 4
+    for m in hist:
+        assert m["train/optimizer_steps"] == 2
+        assert m["weight_sync/probe_max_abs_diff"] < 1e-3
+    means = [m["weight_sync/probe_logprob_mean"] for m in hist]
+    assert all(abs(a - b) > 1e-5 for a, b in zip(means, means[1:]))
+    # the reference is the base (adapters off): once the adapters moved, the KL is not 0
+    assert hist[-1]["train/kl"] != 0
+
     subprocess.run(cli(tmp_path / "run"), check=True, env=env, capture_output=True)
-    ref = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")}
+    ref = {r["step"]: r for r in hist}
     got = {r["step"]: r for r in read_metrics(metrics)}
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
     for step in ref:

@@ -49,8 +49,9 @@ def _cfg(tp: int, pp: int, **features) -> SFTConfig:
 
 
 
-def _measure(rank, world, tp, pp, cases):
-    """Per case: (this rank's pipeline stage, peak bytes of building the engine + 2 steps)."""
+def _measure(rank, world, layouts):
+    """Per layout (tp, pp, cases), per case: (this rank's pipeline stage, peak bytes of
+    building the engine + 2 steps). Each build sets its layout (initialize_parallel)."""
     import torch
     from megatron.core import parallel_state
 
@@ -58,52 +59,59 @@ def _measure(rank, world, tp, pp, cases):
     from megatron_klear.train.sft import sft_loss_fn
 
     out = []
-    for seq, features in cases:
-        cfg = _cfg(tp, pp, seq_length=seq, **features)
-        g = torch.Generator().manual_seed(seq)
-        tok = torch.randint(0, VOCAB, (MICROBATCHES, seq + 1), generator=g)
-        mbs = [dict(tokens=tok[i:i + 1, :-1], labels=tok[i:i + 1, 1:],
-                    loss_mask=torch.ones(1, seq), position_ids=torch.arange(seq)[None])
-               for i in range(MICROBATCHES)]
+    for tp, pp, cases in layouts:
+        out.append([])
+        for seq, features in cases:
+            cfg = _cfg(tp, pp, seq_length=seq, **features)
+            g = torch.Generator().manual_seed(seq)
+            tok = torch.randint(0, VOCAB, (MICROBATCHES, seq + 1), generator=g)
+            mbs = [dict(tokens=tok[i:i + 1, :-1], labels=tok[i:i + 1, 1:],
+                        loss_mask=torch.ones(1, seq), position_ids=torch.arange(seq)[None])
+                   for i in range(MICROBATCHES)]
 
-        wired = []
+            wired = []
 
-        def run():
-            engine = build_engine(cfg, ARCH)
-            tconf = engine.transformer_config
-            wired.append(all(getattr(tconf, k) == v for k, v in features.items()))
-            for _ in range(2 if wired[0] else 0):
-                engine.train_step(mbs, sft_loss_fn(VOCAB, MICROBATCHES * seq))
+            def run():
+                engine = build_engine(cfg, ARCH)
+                tconf = engine.transformer_config
+                wired.append(all(getattr(tconf, k) == v for k, v in features.items()))
+                for _ in range(2 if wired[0] else 0):
+                    engine.train_step(mbs, sft_loss_fn(VOCAB, MICROBATCHES * seq))
 
-        peak = peak_allocated_bytes(run)
-        gc.collect()
-        out.append((parallel_state.get_pipeline_model_parallel_rank(),
-                    peak if wired[0] else None))
+            peak = peak_allocated_bytes(run)
+            gc.collect()
+            out[-1].append((parallel_state.get_pipeline_model_parallel_rank(),
+                            peak if wired[0] else None))
+        # build_engine keeps an existing parallel state: the next layout sets up its own
+        parallel_state.destroy_model_parallel()
     return out
 
 
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
                   "recompute_num_layers": 1}
-# (tp, pp, [(seq, features), ...]) per launch; each launch is one set of gloo processes.
-# A features case whose flags the engine does not pass to megatron-core measures nothing.
+# (tp, pp, [(seq, features), ...]) per layout; each launch is one set of gloo processes
+# that measures the layouts of its world size in turn. A features case whose flags the
+# engine does not pass to megatron-core measures nothing.
 LAUNCHES = [
-    (1, 1, [(256, {}), (1024, {}), (1024, FULL_RECOMPUTE)]),
-    (2, 1, [(512, {}), (512, {"sequence_parallel": True})]),
-    (1, 2, [(512, {})]),
+    [(1, 1, [(256, {}), (1024, {}), (1024, FULL_RECOMPUTE)])],
+    [(2, 1, [(512, {}), (512, {"sequence_parallel": True})]),
+     (1, 2, [(512, {})])],
 ]
 
 
 @pytest.fixture(scope="module")
 def measured():
     rows = []
-    for tp, pp, cases in LAUNCHES:
-        per_rank = run_distributed(_measure, tp * pp, tp, pp, cases, timeout=600)
-        for i, (seq, features) in enumerate(cases):
-            peaks = {}
-            for rank_rows in per_rank:
-                stage, peak = rank_rows[i]  # the max over the stage's TP/DP ranks
-                peaks[stage] = None if peak is None else max(peaks.get(stage, 0), peak)
-            rows.append((_cfg(tp, pp, seq_length=seq, **features), peaks))
+    for layouts in LAUNCHES:
+        tp, pp, _ = layouts[0]
+        per_rank = run_distributed(_measure, tp * pp, layouts, timeout=600)
+        for j, (tp, pp, cases) in enumerate(layouts):
+            for i, (seq, features) in enumerate(cases):
+                peaks = {}
+                for rank_rows in per_rank:
+                    stage, peak = rank_rows[j][i]  # the max over the stage's TP/DP ranks
+                    peaks[stage] = None if peak is None else max(peaks.get(stage, 0), peak)
+                rows.append((_cfg(tp, pp, seq_length=seq, **features), peaks))
     return rows
 
 

@@ -206,7 +206,7 @@ def _sft_loss_paths() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-# ------------------------------------------------------------------ launch 1: TP2 (2 ranks)
+# ------------------------------------- launch 1 (2 ranks), TP2 part: the flags, a TP2 save
 def _tp2_flags(rank, world, ckpt):
     from megatron_klear.distributed import initialize_parallel
 
@@ -224,7 +224,7 @@ def _tp2_flags(rank, world, ckpt):
     return _by_value(results)
 
 
-# ------------------------------------------------------------------ launch 2: PP2 (2 ranks)
+# ------------------------------------- launch 2 (2 fresh ranks), PP2 part: the reshard
 def _pp2_resume(rank, world, ckpt):
     from megatron_klear.train.engine import restore_or_init
 
@@ -233,7 +233,7 @@ def _pp2_resume(rank, world, ckpt):
     return {"iteration": info.iteration, "losses": _train(eng, range(2, 4))}
 
 
-# ------------------------------------------------------------------ launch 3: DP2 (2 ranks)
+# ------------------------------------- launch 1, DP2 part: the optimizers, a DP2 save
 def _dp2_optimizers(rank, world, ckpt, hf):
     # no clipping: the sharded grad norm sums its squares in another order (~1e-7 apart),
     # which would move the clip factor; everything else is elementwise the same math
@@ -264,7 +264,7 @@ def _bf16_step_keeps_loaded_weights(hf_dir: str, distributed: bool) -> bool:
     return all(torch.equal(p, loaded[n]) for n, p in _params(eng).items())
 
 
-# ------------------------------------------------------------------ launch 4: DP2 fresh resume
+# ------------------------------------- launch 2, DP2 part: the fresh resume
 def _dp2_resume(rank, world, ckpt):
     from megatron_klear.train.engine import restore_or_init
 
@@ -275,19 +275,43 @@ def _dp2_resume(rank, world, ckpt):
     return _by_value({"iteration": info.iteration, "losses": losses, "params": _params(eng)})
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("dist_opt_tp2"))
-    return ckpt, _launch(_tp2_flags, ckpt)
+def _saves(rank, world, tp2_ckpt, dp2_ckpt, hf):
+    """Launch 1: the TP2 flag runs and save, then the DP2 optimizers and save (each engine
+    built right after reseeding, at its own layout)."""
+    return {"tp2": _tp2_flags(rank, world, tp2_ckpt),
+            "dp2": _dp2_optimizers(rank, world, dp2_ckpt, hf)}
+
+
+def _resumes(rank, world, tp2_ckpt, dp2_ckpt):
+    """Launch 2, in processes that saw nothing but the checkpoints: PP2 from the TP2 save,
+    DP2 from the DP2 save."""
+    return {"pp2": _pp2_resume(rank, world, tp2_ckpt), "dp2": _dp2_resume(rank, world, dp2_ckpt)}
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
+def saved(tmp_path_factory):
     from megatron_klear.models.tiny import save_tiny_hf_model
 
-    ckpt = str(tmp_path_factory.mktemp("dist_opt_dp2"))
+    ckpts = {k: str(tmp_path_factory.mktemp(f"dist_opt_{k}")) for k in ("tp2", "dp2")}
     hf = save_tiny_hf_model(tmp_path_factory.mktemp("hf"), vocab_size=VOCAB, std=0.2)
-    return ckpt, _launch(_dp2_optimizers, ckpt, str(hf))
+    ranks = _launch(_saves, ckpts["tp2"], ckpts["dp2"], str(hf))
+    return {k: (ckpts[k], [r[k] for r in ranks]) for k in ckpts}
+
+
+@pytest.fixture(scope="module")
+def tp2(saved):
+    return saved["tp2"]
+
+
+@pytest.fixture(scope="module")
+def dp2(saved):
+    return saved["dp2"]
+
+
+@pytest.fixture(scope="module")
+def resumed(saved):
+    ranks = _launch(_resumes, saved["tp2"][0], saved["dp2"][0])
+    return {k: [r[k] for r in ranks] for k in ("pp2", "dp2")}
 
 
 @pytest.mark.parametrize("flag", ["sequence_parallel", *RECOMPUTE])
@@ -328,21 +352,19 @@ def test_bf16_optimizers_start_from_the_loaded_weights(dp2):
         assert rank["bf16_keeps_hf_weights"] == [True, True]  # plain and distributed
 
 
-def test_distributed_optimizer_resumes_exactly_in_fresh_processes(dp2):
-    ckpt, results = dp2
-    resumed = _launch(_dp2_resume, ckpt)
-    for ref, got in zip(results, resumed):
+def test_distributed_optimizer_resumes_exactly_in_fresh_processes(dp2, resumed):
+    _, results = dp2
+    for ref, got in zip(results, resumed["dp2"]):
         assert got["iteration"] == 2
         assert got["losses"] == ref["dist"][0][2:]
         for name, p in ref["dist"][1].items():
             assert torch.equal(got["params"][name], p), name
 
 
-def test_distributed_optimizer_state_reshards_tp2_to_pp2(tp2):
-    ckpt, results = tp2
-    resumed = _launch(_pp2_resume, ckpt)
+def test_distributed_optimizer_state_reshards_tp2_to_pp2(tp2, resumed):
+    _, results = tp2
     want = results[0]["dist_opt_tp2"]["losses"]
-    for got in resumed:
+    for got in resumed["pp2"]:
         assert got["iteration"] == 2
         for a, b in zip(got["losses"], want):  # TP2 and PP2 round differently (~1e-6)
             assert abs(a - b) < 1e-5, (got["losses"], want)

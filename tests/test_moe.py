@@ -130,10 +130,34 @@ def _two_ranks(rank, world, hf_dirs, out: Path):
     return res
 
 
+def _two_ranks_then_rl(rank, world, hf_dirs, out: Path, rl_argv: list[str]):
+    """The layouts' checks, then klear-rl at EP2 in the same two ranks (one launch): its
+    history under "rl". The layouts' parallel state is torn down first: build_engine keeps
+    an existing one (it would run at the last layout, unseeded), so train() sets up its own
+    layout and seed as in a fresh process."""
+    from megatron.core import parallel_state
+
+    from tests.test_rl import _rl_train
+
+    res = _two_ranks(rank, world, hf_dirs, out)
+    parallel_state.destroy_model_parallel()
+    return {**res, "rl": _rl_train(rank, world, rl_argv)}
+
+
 @pytest.fixture(scope="module")
 def two(hf_dirs, tmp_path_factory):
-    return run_distributed(_two_ranks, 2, hf_dirs, tmp_path_factory.mktemp("moe2"),
-                           timeout=400)
+    import json
+
+    from tests.test_rl import _rl_args
+
+    out = tmp_path_factory.mktemp("moe2")
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say something about {i}.",
+                                           "answer": "never" if i % 2 else "x"}) + "\n"
+                               for i in range(12)))
+    rl_argv = _rl_args(hf_dirs["main"], prompts, out / "ck", 2,
+                       "--expert-model-parallel-size", "2", "--max-sampling-rounds", "8")
+    return run_distributed(_two_ranks_then_rl, 2, hf_dirs, out, rl_argv, timeout=800)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "tp{}pp{}ep{}etp{}-{}".format(*l))
@@ -229,20 +253,11 @@ def _safetensors_bytes(hf: Path) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(hf).values())
 
 
-def test_rl_trains_at_ep2_against_embedded_server(hf_dirs, tmp_path):
+def test_rl_trains_at_ep2_against_embedded_server(two, hf_dirs):
     """klear-rl at EP2 (2 ranks: experts split, dense parts data-parallel) against the
-    embedded server (transformers' Qwen3MoeForCausalLM, per-expert weight names)."""
-    import json
-
-    from tests.test_rl import _rl_args, _rl_train
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Say something about {i}.",
-                                           "answer": "never" if i % 2 else "x"}) + "\n"
-                               for i in range(12)))
-    args = _rl_args(hf_dirs["main"], prompts, tmp_path / "ck", 2,
-                    "--expert-model-parallel-size", "2", "--max-sampling-rounds", "8")
-    hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
+    embedded server (transformers' Qwen3MoeForCausalLM, per-expert weight names); run in the
+    launch of the layouts' checks (the ``two`` fixture)."""
+    hist = two[0]["rl"]
     assert len(hist) == 2
     for m in hist:
         assert m["train/optimizer_steps"] == 2 and m["grad_norm"] > 0

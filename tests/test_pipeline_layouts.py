@@ -234,8 +234,22 @@ def _uneven_parity(rank, world, ckpt_root):
     return out
 
 
-def test_uneven_pipeline_matches_unsplit(tmp_path):
-    results = run_distributed(_uneven_parity, 2, str(tmp_path))
+def _two_rank_checks(rank, world, root):
+    """This file's three 2-rank checks in one launch (each sets its own layout: uneven PP,
+    VPP, CP; in that order, as the tests below come)."""
+    return {"uneven": _uneven_parity(rank, world, f"{root}/uneven"),
+            "vpp": _vpp_parity(rank, world, f"{root}/vpp_ckpt"),
+            "cp": _cp_parity(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_distributed(_two_rank_checks, 2, str(tmp_path_factory.mktemp("layouts")),
+                           timeout=600)
+
+
+def test_uneven_pipeline_matches_unsplit(two_ranks):
+    results = [r["uneven"] for r in two_ranks]
     for rank, res in enumerate(results):
         for layers, want_local in ((3, ([1, 2], [3])), (5, ([1, 2, 3], [4, 5]))):
             r = res[layers]
@@ -280,8 +294,8 @@ def _vpp_parity(rank, world, ckpt_dir):
     return out
 
 
-def test_virtual_pipeline_matches_plain_pipeline_and_resumes(tmp_path):
-    results = run_distributed(_vpp_parity, 2, str(tmp_path / "ckpt"))
+def test_virtual_pipeline_matches_plain_pipeline_and_resumes(two_ranks):
+    results = [r["vpp"] for r in two_ranks]
     # interleaving: stage 0 holds layers 1 and 3, stage 1 layers 2 and 4 (one per chunk)
     assert [r["chunk_layers"] for r in results] == [[[1], [3]], [[2], [4]]]
     for r in results:
@@ -400,8 +414,8 @@ def _cp_parity(rank, world):
     return out
 
 
-def test_context_parallel_loss_and_normaliser_equal_no_cp():
-    for r in run_distributed(_cp_parity, 2):
+def test_context_parallel_loss_and_normaliser_equal_no_cp(two_ranks):
+    for r in (r["cp"] for r in two_ranks):
         assert r["cp1"][-1]["loss"] < r["cp1"][0]["loss"]
         for got, want in zip(r["cp2"], r["cp1"]):
             assert got["tokens"] == want["tokens"]  # the normaliser, summed over CP slices

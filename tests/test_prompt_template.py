@@ -2,7 +2,8 @@
 
 Unit checks on the real tiny tokenizer (a transformers PreTrainedTokenizerFast), then the
 real CLIs (klear-rl, klear-eval as subprocesses) on a model whose tokenizer has no chat
-template: they run (raw, with a notice), and asking for chat is a one-line error.
+template: they run (raw, with a notice); asking for chat is a one-line error (their
+console-script functions, in this process).
 """
 
 from __future__ import annotations
@@ -124,14 +125,23 @@ def test_klear_rl_and_klear_eval_run_without_a_chat_template(plain_model, tmp_pa
 
 
 @pytest.mark.parametrize("cli", ["klear-rl", "klear-eval"])
-def test_chat_without_a_template_is_a_one_line_error(plain_model, tmp_path, cli):
+def test_chat_without_a_template_is_a_one_line_error(plain_model, tmp_path, cli, capsys,
+                                                     monkeypatch):
+    """The console script's function in this process (as tests/test_cli_validation.py runs
+    the bad inputs beyond the issue's table): exit 2, one error line, no traceback."""
+    from megatron_klear.eval.__main__ import main as eval_main
+    from megatron_klear.train.rl import main as rl_main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     hf, data = plain_model
-    argv = (_rl(hf, data, tmp_path / "o", "--prompt-template", "chat") if cli == "klear-rl"
-            else _eval(hf, data, tmp_path / "o", "--prompt-template", "chat"))
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                          )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    command = (_rl(hf, data, tmp_path / "o", "--prompt-template", "chat") if cli == "klear-rl"
+               else _eval(hf, data, tmp_path / "o", "--prompt-template", "chat"))
+    main = rl_main if cli == "klear-rl" else eval_main
+    with pytest.raises(SystemExit) as exit_info:
+        main(command[3:])  # the flags after ``python -m MODULE``
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: --prompt-template chat: the tokenizer has no chat template; pass "
                       "--chat-template FILE or use --prompt-template raw"]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in err

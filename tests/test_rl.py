@@ -111,9 +111,26 @@ def _hand_step(rank, world, hf_dir):
                                           zip(weights, batch.response_ids)) / n_tok))
 
 
+def _two_rank_steps(rank, world, hf_dir):
+    """The two-rank launch of this file's fixed-batch checks: the hand-computed step at TP=2,
+    then the token-budget step against the padded one (TP=2, then PP=2); each builds its own
+    layout and seeds."""
+    return {"hand": _hand_step(rank, world, hf_dir),
+            "budget": _budget_vs_padded(rank, world, str(hf_dir))}
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(hf_model):
+    return run_distributed(_two_rank_steps, 2, hf_model)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_loss_and_clip_fractions_match_hand_computation(hf_model, tp):
-    r = run_distributed(_hand_step, tp, hf_model)[-1]
+def test_loss_and_clip_fractions_match_hand_computation(hf_model, request, tp):
+    """At TP=1 (one rank) and TP=2 (the two-rank launch that test_token_budget_step_
+    matches_padded_step_tp2_pp2 shares)."""
+    ranks = (run_distributed(_hand_step, 1, hf_model) if tp == 1 else
+             [r["hand"] for r in request.getfixturevalue("two_rank_steps")])
+    r = ranks[-1]
     got, want, n = r["got"], r["want"], r["n_tok"]
     assert abs(got["train/policy_loss"] - want["policy"]) < 1e-5
     assert abs(got["train/sft_loss"] - want["sft"]) < 1e-5
@@ -216,8 +233,8 @@ def _budget_vs_padded(rank, world, hf_dir):
     return out
 
 
-def test_token_budget_step_matches_padded_step_tp2_pp2(hf_model):
-    results = run_distributed(_budget_vs_padded, 2, str(hf_model))
+def test_token_budget_step_matches_padded_step_tp2_pp2(two_rank_steps):
+    results = [r["budget"] for r in two_rank_steps]
     for rank, per_layout in enumerate(results):
         for layout, r in per_layout.items():
             assert all(t <= 48 for t in r["pack_tokens"]), r  # the budget holds ...
@@ -270,16 +287,16 @@ KLEAR = ["--rollout-gen-batch-size", "8", "--max-gen-rounds", "1", "--filter-gro
          "--erc-high", "1.2", "--truncate-prompt", "left", "--rollout-max-prompt-len", "16"]
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
-                                    ["--pipeline-model-parallel-size", "2",
-                                     "--weight-sync-format", "per_tensor", *KLEAR]],
-                         ids=["tp2", "pp2-klear"])
-def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
-    args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, "--eval-data", str(prompts),
-                    "--eval-interval", "2", "--eval-k", "2",
-                    "--max-sampling-rounds", "8")  # refilling 4 groups must not hinge on luck
-    hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
-    klear = "--rollout-gen-batch-size" in layout
+def eval_flags(prompts) -> list[str]:
+    """Periodic eval every 2 steps on the training prompts; refilling 4 groups must not hinge
+    on luck."""
+    return ["--eval-data", str(prompts), "--eval-interval", "2", "--eval-k", "2",
+            "--max-sampling-rounds", "8"]
+
+
+def check_rl_history(hist: list[dict], klear: bool) -> None:
+    """A 3-step run with eval_flags(): periodic eval, zero-advantage groups, refill (or
+    Klear's one round of 8), optimizer steps, the probe after every sync, moving weights."""
     assert len(hist) == 3
     assert "eval/avg@2" not in hist[0] and hist[1]["eval/problems"] == 12  # periodic eval
     assert 0.0 <= hist[1]["eval/avg@2"] <= hist[1]["eval/pass@2"] <= 0.5  # "never" half is 0
@@ -296,6 +313,17 @@ def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
         assert m["weight_sync/probe_max_abs_diff"] < 1e-4  # server == trainer after sync
     means = [m["weight_sync/probe_logprob_mean"] for m in hist]
     assert all(abs(a - b) > 1e-5 for a, b in zip(means, means[1:]))  # weights moved each step
+
+
+# the same run at TP=2 (refill, no Klear flags) is the separate run of
+# tests/test_colocate.py::test_colocated_rl_equals_separate_rl, checked by check_rl_history
+@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2",
+                                     "--weight-sync-format", "per_tensor", *KLEAR]],
+                         ids=["pp2-klear"])
+def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
+    args = _rl_args(hf_model, prompts, tmp_path / "ck", 3, *layout, *eval_flags(prompts))
+    hist = run_distributed(_rl_train, 2, args, timeout=400)[0]
+    check_rl_history(hist, klear=True)
     assert (tmp_path / "ck" / "metrics.jsonl").exists()
 
 
@@ -303,7 +331,11 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
                         *_rl_args(hf_model, prompts, save, 4, "--save-interval", "1")]
-    subprocess.run(cli(tmp_path / "ref"), check=True, env=env, capture_output=True)
+    # the uninterrupted reference runs side by side with the run that is killed (independent
+    # runs: their imports and model loads overlap)
+    ref_log = (tmp_path / "ref.log").open("w")
+    ref_run = subprocess.Popen(cli(tmp_path / "ref"), env=env, stdout=ref_log,
+                               stderr=subprocess.STDOUT)
     proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -317,6 +349,8 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
         time.sleep(0.01)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    assert ref_run.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    ref_log.close()
     # megatron's checkpoint writer (a multiprocessing Manager, started by the saves of steps
     # 1-2) and every other child die with the trainer (checkpoint/state.py)
     assert any("multiprocessing" in k for k in kinds), kinds

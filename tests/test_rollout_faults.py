@@ -40,8 +40,11 @@ def _alive(url: str) -> bool:
         return False
 
 
-def test_killed_server_requests_retried_on_survivor(model_dir):
-    """SIGKILL a server holding in-flight requests: every prompt is still answered."""
+def test_killed_server_requests_retried_on_survivor_and_hung_survivor_times_out(model_dir):
+    """One pair of servers for two faults: 1) SIGKILL a server holding in-flight requests:
+    every prompt is still answered; 2) the survivor then stops answering (paused): a server
+    that never answers costs at most (retries + 1) x request timeout, with a clear error
+    naming it; both servers are gone after the context manager."""
     with launch_embedded_servers(model_dir, 2) as servers:
         victim, survivor = servers.urls
         client = RolloutClient(servers.urls, request_timeout_s=60, max_retries=3, backoff_s=0.1)
@@ -62,6 +65,16 @@ def test_killed_server_requests_retried_on_survivor(model_dir):
                    for gens in result[0])
         assert client.servers[0].last_error and not _alive(victim) and _alive(survivor)
 
+        RolloutClient([survivor]).post_all("/pause_generation", {"mode": "in_place"})
+        client = RolloutClient([survivor], request_timeout_s=1.0, max_retries=1, backoff_s=0.1)
+        start = time.monotonic()
+        with pytest.raises(RolloutError, match="TimeoutError") as err:
+            client.generate(["a"], SamplingParams(max_new_tokens=2))
+        assert time.monotonic() - start < 4
+        assert survivor in str(err.value)
+        procs = list(servers.procs)
+    assert all(p.poll() is not None for p in procs), "a server outlived the context manager"
+
 
 def test_all_servers_down_fails_fast_naming_urls():
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
@@ -71,20 +84,6 @@ def test_all_servers_down_fails_fast_naming_urls():
         client.generate(["a", "b"], SamplingParams(max_new_tokens=2))
     assert time.monotonic() - start < 5
     assert all(u in str(err.value) for u in urls)
-
-
-def test_hung_server_times_out_with_clear_error(model_dir):
-    """A server that never answers costs at most (retries + 1) x request timeout."""
-    with launch_embedded_servers(model_dir, 1) as servers:
-        RolloutClient(servers.urls).post_all("/pause_generation", {"mode": "in_place"})
-        client = RolloutClient(servers.urls, request_timeout_s=1.0, max_retries=1, backoff_s=0.1)
-        start = time.monotonic()
-        with pytest.raises(RolloutError, match="TimeoutError") as err:
-            client.generate(["a"], SamplingParams(max_new_tokens=2))
-        assert time.monotonic() - start < 4
-        assert servers.urls[0] in str(err.value)
-        procs = list(servers.procs)
-    assert all(p.poll() is not None for p in procs), "a server outlived the context manager"
 
 
 def test_servers_die_with_crashed_parent(model_dir, tmp_path):

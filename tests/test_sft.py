@@ -80,46 +80,47 @@ def _stop_when(proc, ready, timeout=120):
     return False
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(setup):
-    """The uninterrupted 8-step run of each flag set, by step: one launch per flag set,
-    shared by the kill points that resume runs with those flags."""
-    root, hf, data = setup
-    runs: dict[tuple[str, ...], dict[int, dict]] = {}
-
-    def reference(flags: tuple[str, ...]) -> dict[int, dict]:
-        if flags not in runs:
-            ref_dir = root / ("ref" + "".join(flags).replace("-", "_"))
-            subprocess.run(_cli(hf, data, ref_dir, 8, *flags), check=True, capture_output=True,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-            runs[flags] = _final_by_step(ref_dir / "metrics.jsonl")
-        return runs[flags]
-    return reference
-
-
-@pytest.mark.parametrize("where,flags", [
-    ("mid_training", ()), ("while_saving", ()),
-    # megatron-core 0.16.1's distributed optimizer resumed with a stale/shared Adam step
-    ("mid_training", ("--use-distributed-optimizer",))])
-def test_sigkill_resume_is_exact(setup, uninterrupted, where, flags):
-    root, hf, data = setup
-    tag = where + "".join(flags).replace("-", "_")
-    run_dir = root / f"run_{tag}"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    ref = uninterrupted(flags)
-    proc = subprocess.Popen(_cli(hf, data, run_dir, 8, *flags), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+def _kill_at(proc, run_dir: Path, where: str) -> None:
+    """SIGKILL the trainer ``proc`` at ``where``: "mid_training" once step 5 is logged (the
+    fresh run of the chain), "while_saving" while iter 6 is being written (the run resumed
+    from iter 4): the interrupted save must never be published."""
     metrics = run_dir / "metrics.jsonl"
-    if where == "mid_training":
-        ready = lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5  # noqa: E731
-    else:
-        ready = lambda: any(p.name.endswith(".tmp") and p.name.startswith(".iter_0000004")  # noqa: E731
-                            for p in run_dir.glob(".iter_*"))
-    assert _stop_when(proc, ready), "the trainer finished before the kill point"
+
+    def ready() -> bool:
+        if where == "mid_training":
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= 5
+        return any(p.name.endswith(".tmp") and p.name.startswith(".iter_0000006")
+                   for p in run_dir.glob(".iter_*"))
+
+    assert _stop_when(proc, ready), f"the trainer finished before the kill point {where}"
     if where == "while_saving":
-        assert not (run_dir / "iter_0000004").exists()  # the interrupted save never published
+        assert not (run_dir / "iter_0000006").exists()  # the interrupted save never published
+
+
+@pytest.mark.parametrize("flags,kills", [
+    ((), ("mid_training", "while_saving")),
+    # megatron-core 0.16.1's distributed optimizer resumed with a stale/shared Adam step
+    (("--use-distributed-optimizer",), ("mid_training",))],
+    ids=["mid_training_then_while_saving", "mid_training_distributed_optimizer"])
+def test_sigkill_resume_is_exact(setup, flags, kills):
+    """One run killed at each of ``kills`` in turn (each kill in the run resumed after the
+    previous one: mid-training after step 5, then while saving iter 6), then resumed to the
+    end: the same losses and samples as the uninterrupted 8-step run with the same flags
+    (which runs side by side with the killed ones), bitwise, none repeated."""
+    root, hf, data = setup
+    tag = "".join(flags).replace("-", "_")
+    run_dir, ref_dir = root / f"run{tag}", root / f"ref{tag}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ref_run = subprocess.Popen(_cli(hf, data, ref_dir, 8, *flags), env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for where in kills:
+        proc = subprocess.Popen(_cli(hf, data, run_dir, 8, *flags), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _kill_at(proc, run_dir, where)
     subprocess.run(_cli(hf, data, run_dir, 8, *flags), check=True, env=env, capture_output=True)
-    got = _final_by_step(metrics)
+    assert ref_run.wait(timeout=300) == 0, "the uninterrupted run failed"
+    ref = _final_by_step(ref_dir / "metrics.jsonl")
+    got = _final_by_step(run_dir / "metrics.jsonl")
     assert sorted(got) == sorted(ref) == list(range(1, 9))
     for step in range(1, 9):  # bitwise-identical losses, identical samples, in order
         assert got[step]["loss"] == ref[step]["loss"], step
@@ -128,22 +129,28 @@ def test_sigkill_resume_is_exact(setup, uninterrupted, where, flags):
     assert len(seen) == len(set(seen))  # no sample repeated within the epoch
 
 
-def test_bad_input_names_file_and_line(setup, tmp_path):
+def test_bad_input_names_file_and_line(setup, tmp_path, capsys, monkeypatch):
+    """klear-sft's main (the console script's function, in this process): a record without
+    a response and an empty response exit 2 naming FILE:LINE, in the pre-flight (before any
+    model is built: megatron's parallel state stays as it was)."""
+    from megatron.core import parallel_state
+
+    from megatron_klear.train.sft import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    state_before = parallel_state.model_parallel_is_initialized()
     root, hf, _ = setup
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" +
                    json.dumps({"prompt": "a"}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "megatron_klear.train.sft", "--hf-checkpoint",
-                           str(hf), "--data-path", str(bad), "--train-iters", "1"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert f"{bad}:2" in proc.stderr and "response" in proc.stderr
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"prompt": "a", "response": "  "}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "megatron_klear.train.sft", "--hf-checkpoint",
-                           str(hf), "--data-path", str(empty), "--train-iters", "1"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "empty response" in proc.stderr
+    for data, wants in ((bad, (f"{bad}:2", "response")), (empty, ("empty response",))):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--hf-checkpoint", str(hf), "--data-path", str(data), "--train-iters", "1"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and all(w in err for w in wants), err
+        assert parallel_state.model_parallel_is_initialized() == state_before
 
 
 def test_overflow_truncate_and_drop(setup):

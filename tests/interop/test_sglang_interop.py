@@ -106,11 +106,11 @@ def test_buckets_from_parameter_memory_load_into_real_sglang(servers, sglang_mod
     assert results[0]["planned"]["direct"] >= 2, results[0]["planned"]
 
 
+# a trainer at TP=1 (world 1): test_server_with_tp_size_2's run, against a TP=1 and a TP=2 server
 @pytest.mark.parametrize("world, layout, n_urls", [
-    (1, [], 1),
     (2, ["--tensor-model-parallel-size", "2"], 2),
     (2, ["--pipeline-model-parallel-size", "2"], 2),
-], ids=["trainer_tp1", "trainer_tp2", "trainer_pp2_two_servers"])
+], ids=["trainer_tp2", "trainer_pp2_two_servers"])
 def test_klear_rl_syncs_real_sglang(servers, sglang_model, prompts, tmp_path, world, layout,
                                     n_urls):
     args = _rl_args(sglang_model, prompts, tmp_path / "ck", servers.urls[:n_urls], 2, *layout)
@@ -185,7 +185,9 @@ def test_klear_rl_colocated_on_real_sglang(servers, sglang_model, prompts, tmp_p
 
 def test_server_with_tp_size_2(sglang_model, prompts, tmp_path, servers):
     """A --tp-size 2 server joins as ranks offset+0 and offset+1 (offsets from /server_info),
-    next to a TP=1 server: world 1 + 1 + 2."""
+    next to a TP=1 server: world 1 + 1 + 2. The trainer runs at TP=1 (world 1): this is also
+    klear-rl's TP=1 trainer syncing real SGLang (the server count aside, what
+    test_klear_rl_syncs_real_sglang checks at TP=2 and PP=2)."""
     with start_sglang(sglang_model, 1, tmp_path / "logs", tp=2) as tp2:
         info = RolloutClient(tp2.urls).server_info()[tp2.urls[0]]
         assert info["tp_size"] == 2
