@@ -12,6 +12,8 @@ turns (their ``<tool_call>`` blocks included), never the ``<tool_response>`` blo
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,40 @@ def test_end_of_turn_inside_a_call_is_ambiguous(tok, tmp_path):
     path = _write(tmp_path, [rec])
     with pytest.raises(DataError, match=rf"^{path}:1: ambiguous loss mask: .*end of turn"):
         load_sft_dataset(path, tok, max_length=2048)
+
+
+def test_the_tool_quickstart_data_trains_the_calls_and_answers(tmp_path):
+    """The --tools quickstart's SFT data through the tiny tokenizer's tool template: every
+    record loads; the mask is the model's calls and answers only (each a whole assistant
+    turn as rendered), the python tool's outputs and the tools block are not trained; the
+    demonstrations' styles come in about their shares; eval pairs are not in SFT or RL."""
+    from megatron_klear.data.prompts import load_records
+    from megatron_klear.data.synthetic import TOOL_USES, write_tool_arithmetic_data
+    from megatron_klear.models.tiny import TOOL_CHAT_TEMPLATE
+    from megatron_klear.rewards import score_batch
+
+    paths = write_tool_arithmetic_data(tmp_path, seed=1, n_sft=400, n_rl=50, n_eval=20)
+    tok = build_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    samples, stats = load_sft_dataset(paths["sft"], tok, max_length=256)
+    assert stats.loaded == 400 and stats.truncated == stats.dropped == 0
+    records = [rec for _, rec in load_records(paths["sft"])]
+    for s, rec in zip(samples, records):
+        trained = tok.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m])
+        msgs = rec["messages"]
+        want = "".join((f'<tool_call>{{"name": "python", "arguments": '
+                        f'{json.dumps(m["tool_calls"][0]["function"]["arguments"])}}}</tool_call>'
+                        if m.get("tool_calls") else m["content"]) + "<|im_end|>\n"
+                       for m in msgs if m["role"] == "assistant")
+        assert trained == want
+        assert "<tools>python: code</tools>" in tok.decode(s.input_ids)
+    # which demonstrations end right: the "tool" share, by the real math reward
+    answers = [r["messages"][-1]["content"] for r in records]
+    labels = [str(math.prod(map(int, re.findall(r"\d+", r["messages"][0]["content"]))))
+              for r in records]
+    right = sum(score_batch("math", answers, labels)) / len(records)
+    calls = sum(len(r["messages"]) > 2 for r in records) / len(records)
+    shares = dict(TOOL_USES)
+    assert abs(right - shares["tool"]) < 0.08 and abs(calls - 1 + shares["guess"]) < 0.08
+    pairs = {name: {r["prompt"] for _, r in load_records(paths[name])} for name in ("rl", "eval")}
+    sft_q = {r["messages"][0]["content"] for r in records}
+    assert len(pairs["eval"]) == 20 and not pairs["eval"] & (pairs["rl"] | sft_q)
