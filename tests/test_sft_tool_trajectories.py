@@ -121,6 +121,14 @@ def test_malformed_tool_records_fail_naming_file_and_line(tok, tmp_path, bad, ma
         load_sft_dataset(path, tok, max_length=2048)
 
 
+def test_a_template_without_tool_calls_is_refused(tmp_path):
+    """Plain ChatML drops the calls: nothing of them would be trained, so the record fails."""
+    path = _write(tmp_path, [RECORD])
+    with pytest.raises(DataError, match=rf"^{path}:1: the tool calls \['python'\] of assistant "
+                                        r"message 1 are not rendered .* must render 'tool_calls'"):
+        load_sft_dataset(path, build_tokenizer(), max_length=2048)
+
+
 def test_end_of_turn_inside_a_call_is_ambiguous(tok, tmp_path):
     """A call whose code holds the template's end of turn could end the turn early: refused."""
     rec = json.loads(json.dumps(RECORD))

@@ -213,8 +213,9 @@ def _tool_turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, star
     end = full.find(closing, start)
     names = [c.get("function", c)["name"] for c in messages[i]["tool_calls"]]
     if end < 0 or not all(n in full[start:end] for n in names):
-        raise DataError(f"ambiguous loss mask: the tool calls {names} of assistant message "
-                        f"{i} are not rendered before the template's end of turn {closing!r}")
+        raise DataError(f"the tool calls {names} of assistant message {i} are not rendered "
+                        f"before the template's end of turn {closing!r}: the model's chat "
+                        "template (its tokenizer_config.json) must render 'tool_calls'")
     return end + len(closing)
 
 
