@@ -4,6 +4,9 @@
 
 ``--sglang``: RL rolls out on a real SGLang 0.5.23 server (from .venv-sglang, built by
 tools/setup_sglang_cpu.sh) instead of the embedded server.
+``--tools``: the task where the tool matters (issue 40): two-digit multiplication, which the
+tiny model cannot do in its head, with the python tool; SFT on noisy tool-use trajectories,
+then RL with multi-turn tool rollouts (``klear-rl --tools python``), both evals with the tool.
 ``--colocate``: RL runs colocated (``klear-rl --colocate``): the embedded server releases its
 memory while the trainer trains, the trainer is offloaded while it rolls out, and weights go
 over as tensor handles.
@@ -25,8 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_klear.data.synthetic import write_arithmetic_data
-from megatron_klear.models.tiny import save_tiny_hf_model
+from megatron_klear.data.synthetic import write_arithmetic_data, write_tool_arithmetic_data
+from megatron_klear.models.tiny import CHAT_TEMPLATE, TOOL_CHAT_TEMPLATE, save_tiny_hf_model
+
+# --tools: a call, the tool's response and the answer fit in the response budget (the
+# python tool's output is one number)
+TOOL_MAX_TURNS, TOOL_RESPONSE_TOKENS, TOOL_RESPONSE_LEN = 3, 16, 160
 
 
 def run_logged(cmd: list[str], log: Path) -> None:
@@ -56,6 +63,51 @@ def eval_accuracy(model: Path, data: Path, out: Path, k: int, seed: int) -> floa
     return json.loads((out / "report.json").read_text())["benchmarks"]["arith"][f"avg@{k}"]
 
 
+def eval_with_tools(model: Path, data: Path, out: Path, k: int, seed: int) -> float:
+    """avg@k of ``model`` on ``data`` at temperature 1.0 when it may call the python tool:
+    multi-turn rollouts (rollout/multi_turn.py, the limits of the quickstart's ``klear-rl
+    --tools``) on embedded servers, the math reward on the final answer; samples and report
+    written as klear-eval writes them (``out/samples.jsonl``, ``out/report.json``)."""
+    from megatron_klear.data.prompts import load_prompt_dataset, load_tokenizer
+    from megatron_klear.eval.evaluate import summarize, write_report
+    from megatron_klear.rewards import reward_max_score, score_batch
+    from megatron_klear.rollout.client import RolloutClient, SamplingParams
+    from megatron_klear.rollout.launcher import embedded_server_layout, launch_embedded_servers
+    from megatron_klear.rollout.multi_turn import MultiTurnConfig, generate_tool_turns
+    from megatron_klear.rollout.pipeline import RolloutContext
+    from megatron_klear.rollout.tools import python_tool
+
+    print(f"eval with the python tool: {model} on {data} (avg@{k})", flush=True)
+    tok = load_tokenizer(model)
+    problems = load_prompt_dataset(data)
+    cfg = MultiTurnConfig({"python": python_tool()}, max_turns=TOOL_MAX_TURNS,
+                          max_response_tokens=TOOL_RESPONSE_LEN,
+                          max_tool_response_tokens=TOOL_RESPONSE_TOKENS)
+    params = SamplingParams(max_new_tokens=TOOL_RESPONSE_LEN, temperature=1.0, n=k,
+                            stop_token_ids=[tok.eos_token_id])
+    count, threads = embedded_server_layout()
+    records = []
+    with launch_embedded_servers(str(model), count, seed=seed, num_threads=threads) as servers:
+        ctx = RolloutContext(RolloutClient(servers.urls), tok, params, "math",
+                             reward_max_score("math"), multi_turn=cfg)
+        samples = generate_tool_turns(ctx, problems, [(seed * 1_000_003 + p.index) % 2**31
+                                                      for p in problems])
+    scores = score_batch("math", [s.response_text for s in samples],
+                         [s.label for s in samples])
+    for s, score in zip(samples, scores):
+        traj = s.trajectory
+        records.append({"benchmark": "arith", "problem": s.prompt_index, "reward_name": "math",
+                        "label": s.label, "response": s.response_text,
+                        "response_tokens": len(s.response_ids), "tool_calls": traj.calls,
+                        "turns": traj.messages[len(problems[s.prompt_index].messages):],
+                        "finish_reason": traj.stop_reason, "score": float(score)})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = summarize(records, k)
+    write_report(report, out, {"model": str(model), "tools": ["python"]})
+    return report["arith"][f"avg@{k}"]
+
+
 def rl_gain(before: Path, after: Path) -> tuple[float, float]:
     """(gain, standard error) of the eval after RL over the eval before, paired per problem
     (two :func:`eval_accuracy` output dirs)."""
@@ -77,17 +129,24 @@ def sft_args(out: Path, args: argparse.Namespace) -> list[str]:
 def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> list[str]:
     """klear-rl flags of the quickstart: GPPO at TP=2, the rest at klear-rl's defaults
     (embedded rollout servers, one per core; each prompt trained once for its 8 samples).
+    ``--tools``: the python tool and its limits, 16 prompts a step (a tool call is a sandboxed
+    interpreter) and the response budget of a call, its response and the answer.
 
     ``start`` is the SFT model that RL begins from (default ``out/sft_hf``) and the prompts
     are read from beside it, so several RL runs can share one SFT stage."""
     start = start or out / "sft_hf"
     colocate = ["--colocate"] if getattr(args, "colocate", False) else []
+    tools = getattr(args, "tools", False)
+    batch, mini, length = (16, 16, TOOL_RESPONSE_LEN) if tools else (32, 16, 48)
     return ["--hf-checkpoint", str(start), "--prompt-data", str(start.parent / "data" / "rl.jsonl"),
             "--tensor-model-parallel-size", "2", "--reward", "math",
-            "--rollout-batch-size", "32", "--mini-batch-size", "16", "--n-samples-per-prompt", "8",
-            "--rollout-max-response-len", "48",
+            "--rollout-batch-size", str(batch), "--mini-batch-size", str(mini),
+            "--n-samples-per-prompt", "8", "--rollout-max-response-len", str(length),
             "--lr", str(args.rl_lr), "--train-iters", str(args.rl_iters), "--seed", str(args.seed),
-            "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"] + colocate
+            "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"
+            ] + colocate + (["--tools", "python", "--max-turns", str(TOOL_MAX_TURNS),
+                             "--max-tool-response-tokens", str(TOOL_RESPONSE_TOKENS)]
+                            if tools else [])
 
 
 @contextlib.contextmanager
@@ -121,7 +180,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="runs/quickstart")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sft-iters", type=int, default=300)
+    p.add_argument("--sft-iters", type=int, default=None, help="default 300, 400 with --tools")
     p.add_argument("--rl-iters", type=int, default=40)
     p.add_argument("--rl-lr", type=float, default=2e-4)
     p.add_argument("--eval-k", type=int, default=4)
@@ -130,11 +189,17 @@ def main() -> None:
                    help="roll out on a real SGLang server (.venv-sglang), not the embedded one")
     p.add_argument("--colocate", action="store_true",
                    help="colocated RL: trainer and rollout server take turns (klear-rl --colocate)")
+    p.add_argument("--tools", action="store_true",
+                   help="the task where the python tool matters: two-digit multiplication, "
+                        "SFT on noisy tool use, RL and evals with multi-turn tool rollouts")
     args = p.parse_args()
+    args.sft_iters = args.sft_iters or (400 if args.tools else 300)
+    write_data = write_tool_arithmetic_data if args.tools else write_arithmetic_data
+    evaluate = eval_with_tools if args.tools else eval_accuracy
     out = Path(args.out)
     if args.dry_run:  # the data it would train on, written aside: the dry run checks files
         with tempfile.TemporaryDirectory() as tmp:
-            write_arithmetic_data(Path(tmp) / "data", seed=args.seed)
+            write_data(Path(tmp) / "data", seed=args.seed)
             for module, argv in (("megatron_klear.train.sft", sft_args(Path(tmp), args)),
                                  ("megatron_klear.train.rl", rl_args(Path(tmp), args))):
                 _run_dry(module, argv)
@@ -143,17 +208,18 @@ def main() -> None:
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True)
     t0 = time.time()
-    save_tiny_hf_model(out / "base_hf", seed=args.seed)
-    data = write_arithmetic_data(out / "data", seed=args.seed)
+    save_tiny_hf_model(out / "base_hf", seed=args.seed,
+                       chat_template=TOOL_CHAT_TEMPLATE if args.tools else CHAT_TEMPLATE)
+    data = write_data(out / "data", seed=args.seed)
     run_logged(torchrun_cmd(2, "megatron_klear.train.sft", sft_args(out, args)), out / "logs" / "sft.log")
-    before = eval_accuracy(out / "sft_hf", data["eval"], out / "eval_before", args.eval_k, args.seed)
+    before = evaluate(out / "sft_hf", data["eval"], out / "eval_before", args.eval_k, args.seed)
     if args.sglang:
         with _sglang_server(out / "sft_hf", out / "logs" / "sglang") as url:
             run_logged(torchrun_cmd(2, "megatron_klear.train.rl", rl_args(out, args) + [
                 "--rollout-urls", url]), out / "logs" / "rl.log")
     else:
         run_logged(torchrun_cmd(2, "megatron_klear.train.rl", rl_args(out, args)), out / "logs" / "rl.log")
-    after = eval_accuracy(out / "rl_hf", data["eval"], out / "eval_after", args.eval_k, args.seed)
+    after = evaluate(out / "rl_hf", data["eval"], out / "eval_after", args.eval_k, args.seed)
     from megatron_klear.train.plot import plot_metrics
 
     png = plot_metrics(out / "rl_ckpt" / "metrics.jsonl", out / "rl_dashboard.png")
@@ -165,7 +231,7 @@ def main() -> None:
                        f"({data['eval']})",
                "dashboard": str(png), "seconds": round(time.time() - t0, 1),
                "rollout": "sglang" if args.sglang else "embedded",
-               "colocate": args.colocate}
+               "colocate": args.colocate, "tools": args.tools}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     z = f"{gain / se:.1f} standard errors" if se else "no spread"
     print(f"\naccuracy (avg@{args.eval_k}, T=1.0, {problems} held-out problems): before RL "

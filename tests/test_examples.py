@@ -119,6 +119,15 @@ def test_quickstart_dry_run(tmp_path):
     assert proc.stdout.count("config OK") == 2 and not (tmp_path / "qs").exists()
 
 
+def test_quickstart_tools_dry_run(tmp_path):
+    """--tools: klear-sft takes the tool trajectories and klear-rl the --tools flags."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_klear.quickstart", "--dry-run",
+                           "--tools", "--out", str(tmp_path / "qs")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("config OK") == 2 and not (tmp_path / "qs").exists()
+
+
 def _colocate_dry_run(*extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     proc = dry_run(COLOCATE, *extra)  # without extra: test_dry_run_validates_config's run
     return proc, dry_run_report(proc)["dry_run"]

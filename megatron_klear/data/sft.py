@@ -1,7 +1,10 @@
 """Long-CoT SFT data: chat records -> token ids with a response-only loss mask.
 
 A record is either ``{"prompt": str | chat list, "response": str}`` or ``{"messages": [...]}``
-(loss on every assistant turn). Field names are configurable and may be dotted paths into
+(loss on every assistant turn). Messages may be tool trajectories: assistant turns with
+``tool_calls`` (OpenAI layout, content empty or null), role ``tool`` responses, and a
+record-level ``tools`` list of JSON schemas that the chat template renders
+(``apply_chat_template(..., tools=...)``); tool responses are masked like other messages. Field names are configurable and may be dotted paths into
 nested fields (``extra_info.response``). The token ids are the tokenisation of the chat
 template's rendering of the whole conversation; the loss mask covers the assistant turns as
 they appear in it (see :func:`tokenize_conversation`). Sequences longer than the bin are
@@ -11,6 +14,7 @@ truncated or dropped (``overflow``), and the counts are reported.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,15 +45,49 @@ class SFTStats:
     lengths: list[int] = field(default_factory=list)
 
 
+def _tool_calls(calls: Any, where: str) -> None:
+    """``tool_calls`` of an assistant message: a list of ``{"function": {"name", "arguments"}}``
+    (or the bare ``{"name", "arguments"}``), arguments an object or its JSON text."""
+    if not isinstance(calls, list) or not calls:
+        raise DataError(f"{where}: 'tool_calls' must be a non-empty list of calls")
+    for call in calls:
+        f = call.get("function", call) if isinstance(call, dict) else None
+        args = f.get("arguments") if isinstance(f, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]
+                and isinstance(args, dict)):
+            raise DataError(f"{where}: each tool call needs a 'name' and 'arguments' (a JSON "
+                            f"object or its text), got {json.dumps(call)[:80]}")
+
+
+def _message(m: Any, where: str) -> dict:
+    """One checked message; an assistant message with ``tool_calls`` may have no content
+    (OpenAI's null), which becomes ''."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise DataError(f"{where}: each message must be an object with a 'role'")
+    if m["role"] == "assistant" and m.get("tool_calls") is not None:
+        _tool_calls(m["tool_calls"], where)
+        if m.get("content") is None:
+            return dict(m, content="")
+    if not isinstance(m.get("content"), str):
+        raise DataError(f"{where}: {m['role']!r} messages need a string 'content'")
+    return m
+
+
 def _messages(rec: dict, where: str, prompt_key: str, response_key: str,
               messages_key: str) -> list[dict]:
     msgs = record_field(rec, messages_key)
     if msgs is not None:
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+        if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{where}: field {messages_key!r} must be a non-empty list of "
                             "{'role', 'content'} messages")
-        if not any(m["role"] == "assistant" and str(m["content"]).strip() for m in msgs):
+        msgs = [_message(m, f"{where}: message {i}") for i, m in enumerate(msgs)]
+        if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls"))
+                   for m in msgs):
             raise DataError(f"{where}: no non-empty assistant message to train on")
         return msgs
     prompt, response = record_field(rec, prompt_key), record_field(rec, response_key)
@@ -61,6 +99,16 @@ def _messages(rec: dict, where: str, prompt_key: str, response_key: str,
         raise DataError(f"{where}: empty response in field {response_key!r}")
     return [*chat_prompt(prompt, where, prompt_key),
             {"role": "assistant", "content": str(response)}]
+
+
+def _record_tools(rec: dict, where: str) -> list[dict] | None:
+    """The record's ``tools``: JSON schemas for the chat template (None without)."""
+    tools = rec.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: field 'tools' must be a list of tool JSON schemas (objects), "
+                        "as the chat template takes them")
+    return tools
 
 
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool,
@@ -109,8 +157,10 @@ def _turn_start(tokenizer: Any, messages: list[dict], i: int, full: str, kwargs:
     """End of the generation prompt before assistant message ``i`` in ``full``: the
     rendering of the messages before it plus the generation prompt must be a prefix of
     ``full``. With template arguments, the prompt without them is tried second: Qwen3
-    renders earlier turns without the empty think block of ``enable_thinking: false``."""
-    for args in ([kwargs, {}] if kwargs else [kwargs]):
+    renders earlier turns without the empty think block of ``enable_thinking: false``.
+    The record's ``tools`` stay in both."""
+    bare = {"tools": kwargs["tools"]} if "tools" in kwargs else {}
+    for args in ([kwargs, bare] if kwargs != bare else [kwargs]):
         try:
             prompt = _render(tokenizer, messages[:i], True, args)
         except DataError:
@@ -128,9 +178,7 @@ def _turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, content_e
               kwargs: dict) -> int:
     """End of assistant message ``i`` in ``full``: its content, then the text the template
     closes an assistant turn with (learnt from the turn rendered as the last message)."""
-    mark = _MARK.format(i)
-    probe = _render(tokenizer, messages[:i] + [dict(messages[i], content=mark)], False, kwargs)
-    closing = probe[_once(probe, mark, "a probe assistant message") + len(mark):]
+    closing = _closing(tokenizer, messages, i, kwargs)
     content = messages[i]["content"]
     tail = content[len(content.rstrip()):]
     for end in dict.fromkeys((content_end + len(tail), content_end)):
@@ -141,24 +189,63 @@ def _turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, content_e
                     f"template's end of turn {closing!r} in the rendering")
 
 
+def _closing(tokenizer: Any, messages: list[dict], i: int, kwargs: dict) -> str:
+    """The text the template closes assistant message ``i`` with, learnt from a probe: the
+    messages before it and a marker message, without tool calls, as the last message."""
+    mark = _MARK.format(i)
+    probe_msg = {k: v for k, v in messages[i].items() if k != "tool_calls"}
+    probe = _render(tokenizer, messages[:i] + [dict(probe_msg, content=mark)], False, kwargs)
+    return probe[_once(probe, mark, "a probe assistant message") + len(mark):]
+
+
+def _tool_turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, start: int,
+                   kwargs: dict) -> int:
+    """End of assistant message ``i`` with ``tool_calls`` in ``full``: the first end of turn
+    (as :func:`_closing`) after its generation prompt. The calls are rendered after the
+    content, so no marker can end them (and a marker in an empty content changes the
+    rendering: Qwen3 puts a newline before a call that follows content); instead the turn's
+    own text must not hold the end of turn, which makes the first one its end."""
+    closing = _closing(tokenizer, messages, i, kwargs)
+    own = messages[i]["content"] + json.dumps(messages[i]["tool_calls"], ensure_ascii=False)
+    if not closing.strip() or closing.strip() in own:
+        raise DataError(f"ambiguous loss mask: assistant message {i} contains the template's "
+                        f"end of turn {closing.strip()!r} (or the template has none)")
+    end = full.find(closing, start)
+    names = [c.get("function", c)["name"] for c in messages[i]["tool_calls"]]
+    if end < 0 or not all(n in full[start:end] for n in names):
+        raise DataError(f"the tool calls {names} of assistant message {i} are not rendered "
+                        f"before the template's end of turn {closing!r}: the model's chat "
+                        "template (its tokenizer_config.json) must render 'tool_calls'")
+    return end + len(closing)
+
+
 def assistant_spans(tokenizer: Any, messages: list[dict],
                     kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendering of the whole conversation and the character span of every assistant
     turn in it, from the end of its generation prompt to the end of its turn (end-of-turn
-    token included). Raises :class:`DataError` where the template makes a span ambiguous."""
+    token included; a turn's ``tool_calls`` as the template renders them are in it, the
+    ``tool`` messages after it are not). ``kwargs``: chat template arguments, with the
+    record's ``tools`` under ``"tools"``. Raises :class:`DataError` where the template makes a
+    span ambiguous."""
     kwargs = kwargs or {}
     full = _render(tokenizer, messages, False, kwargs)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    called = {i for i in turns if messages[i].get("tool_calls")}
     for i in turns:
         if not isinstance(messages[i]["content"], str):
             raise DataError(f"assistant message {i}: content must be a string")
         if "[[klear:" in messages[i]["content"]:
             raise DataError(f"assistant message {i} contains the reserved text '[[klear:'")
-    ends = _content_ends(tokenizer, messages, turns, full, kwargs)
+    ends = _content_ends(tokenizer, messages, [i for i in turns if i not in called], full,
+                         kwargs)
     spans: list[tuple[int, int]] = []
     for i in turns:
         start = _turn_start(tokenizer, messages, i, full, kwargs)
-        end = _turn_end(tokenizer, messages, i, full, ends[i], kwargs)
+        if i in called:
+            ends[i] = start
+            end = _tool_turn_end(tokenizer, messages, i, full, start, kwargs)
+        else:
+            end = _turn_end(tokenizer, messages, i, full, ends[i], kwargs)
         if not (spans[-1][1] if spans else 0) <= start <= ends[i] <= end:
             raise DataError(f"ambiguous loss mask: assistant message {i} overlaps the turn "
                             "before it or its generation prompt")
@@ -166,19 +253,22 @@ def assistant_spans(tokenizer: Any, messages: list[dict],
     return full, spans
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict],
-                          kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer: Any, messages: list[dict], kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the chat-templated conversation and a mask over its assistant turns.
 
     The ids are the tokenisation of the template's rendering of the whole conversation
     (history as the template shows it: Qwen3 drops the reasoning of earlier turns); the mask
     is 1 on exactly the tokens of the assistant turns as they appear there (see
     :func:`assistant_spans`), 0 on generation prompts and other messages. ``kwargs``: chat
-    template arguments (default: the tokenizer's ``--chat-template-kwargs``). A token that
-    straddles a span boundary is an error, never a guess.
+    template arguments (default: the tokenizer's ``--chat-template-kwargs``); ``tools``: the
+    record's tool schemas, passed to the template. A token that straddles a span boundary is
+    an error, never a guess.
     """
-    full, spans = assistant_spans(tokenizer, messages,
-                                  chat_template_kwargs(tokenizer) if kwargs is None else kwargs)
+    kwargs = chat_template_kwargs(tokenizer) if kwargs is None else dict(kwargs)
+    if tools is not None:
+        kwargs["tools"] = tools
+    full, spans = assistant_spans(tokenizer, messages, kwargs)
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("SFT needs a fast tokenizer (character offsets to place the loss mask)")
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -198,6 +288,7 @@ def check_sft_records(path: str | Path, limit: int, *, prompt_key: str = "prompt
     the pre-flight check of ``--data-path``); :class:`DataError` at FILE:LINE otherwise."""
     for line, rec in itertools.islice(load_records(path), limit):
         _messages(rec, f"{path}:{line}", prompt_key, response_key, messages_key)
+        _record_tools(rec, f"{path}:{line}")
 
 
 def load_sft_dataset(path: str | Path, tokenizer: Any, *, max_length: int,
@@ -213,7 +304,8 @@ def load_sft_dataset(path: str | Path, tokenizer: Any, *, max_length: int,
         where = f"{path}:{line}"
         try:
             ids, mask = tokenize_conversation(
-                tokenizer, _messages(rec, where, prompt_key, response_key, messages_key))
+                tokenizer, _messages(rec, where, prompt_key, response_key, messages_key),
+                tools=_record_tools(rec, where))
         except DataError as exc:
             msg = str(exc)
             raise DataError(msg if msg.startswith(where) else f"{where}: {msg}") from None

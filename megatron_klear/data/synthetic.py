@@ -18,6 +18,11 @@ for every question, so after SFT the held-out reasoning is right in 86% of sampl
 RL's lesson shows there (box equals reasoning 0.51 -> 0.89, avg@4 0.52 -> 0.91, seed 1).
 Held-out questions are new (a, b, c) triples; their facts (b*c, the hundred) are not new,
 as in any arithmetic benchmark.
+
+The ``--tools`` quickstart's task (:func:`write_tool_arithmetic_data`, issue 40) is ``a*b``
+with two-digit ``a``, ``b``: 8,100 products the tiny model cannot learn to compute, which the
+python tool computes; demonstrations call it, guess, call it wrongly or copy its output
+wrongly (:data:`TOOL_USES`), and RL on the verified final answer keeps what works.
 """
 
 from __future__ import annotations
@@ -70,4 +75,71 @@ def write_arithmetic_data(out_dir: str | Path, *, seed: int = 0, n_sft: int = 20
     write_records(paths["rl"], ({"prompt": q, "answer": str(pool[q][1])} for q in
                                 (rng.choice(train_q) for _ in range(n_rl))))
     write_records(paths["eval"], ({"prompt": q, "answer": str(pool[q][1])} for q in eval_q))
+    return paths
+
+
+# --------------------------------------------------------------- the --tools quickstart task
+# How SFT demonstrations of multiplication use the python tool (issue 40), with their shares:
+# only "tool" ends with the right answer; the rest is the noise RL has to remove.
+TOOL_USES = (("tool", 0.5),         # print(a*b), then the box holds what it printed
+             ("guess", 0.2),        # no call: a boxed guess (the tiny model cannot multiply)
+             ("wrong_code", 0.1),   # a call with a wrong expression, its output boxed
+             ("miscopy", 0.2))      # the right call, its output boxed with a digit changed
+
+
+def _call(code: str) -> dict:
+    return {"type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+
+
+def _miscopy(rng: random.Random, number: int) -> int:
+    digits = list(str(number))
+    i = rng.randrange(len(digits))
+    digits[i] = rng.choice([d for d in "0123456789" if d != digits[i] and (i or d != "0")])
+    return int("".join(digits))
+
+
+def tool_question(a: int, b: int) -> str:
+    """The question of ``a*b``: the expression in parentheses, as the call's ``print(...)``
+    writes it, so a tiny model copies it from the one '(' before (an induction step)."""
+    return f"What is ({a}*{b})?"
+
+
+def tool_trajectory(rng: random.Random, a: int, b: int, use: str) -> list[dict]:
+    """The messages of one demonstration for ``a*b`` in the style ``use`` (:data:`TOOL_USES`):
+    a python call with no content, the tool's output (``print``'s, newline included), the box."""
+    question = {"role": "user", "content": tool_question(a, b)}
+    if use == "guess":
+        return [question, {"role": "assistant",
+                           "content": f"\\boxed{{{a * b + rng.choice((-1, 1)) * rng.randint(1, 300)}}}"}]
+    x, op, y = a, "*", b
+    if use == "wrong_code":
+        x, op, y = rng.choice(((a, "+", b), (a, "*", _miscopy(rng, b)), (_miscopy(rng, a), "*", b)))
+    code, out = f"print({x}{op}{y})", x + y if op == "+" else x * y
+    boxed = _miscopy(rng, out) if use == "miscopy" else out
+    return [question, {"role": "assistant", "content": "", "tool_calls": [_call(code)]},
+            {"role": "tool", "content": f"{out}\n"},
+            {"role": "assistant", "content": f"\\boxed{{{boxed}}}"}]
+
+
+def write_tool_arithmetic_data(out_dir: str | Path, *, seed: int = 0, n_sft: int = 2000,
+                               n_rl: int = 1000, n_eval: int = 128) -> dict[str, Path]:
+    """The ``--tools`` quickstart's data: ``a*b`` with two-digit ``a``, ``b``, which the tiny
+    model cannot compute but the python tool can. sft.jsonl holds ``messages`` trajectories
+    with the python tool's schema in ``tools`` (noisy tool use, :data:`TOOL_USES`); rl.jsonl and
+    eval.jsonl prompt/answer, the eval pairs disjoint from the SFT and RL ones."""
+    from megatron_klear.rollout.tools import PYTHON_SCHEMA
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    rng.shuffle(pairs)
+    eval_pairs, train = pairs[:n_eval], pairs[n_eval:]
+    uses, weights = zip(*TOOL_USES)
+    paths = {name: out / f"{name}.jsonl" for name in ("sft", "rl", "eval")}
+    write_records(paths["sft"], ({"tools": [PYTHON_SCHEMA], "messages": tool_trajectory(
+        rng, *rng.choice(train), rng.choices(uses, weights)[0])} for _ in range(n_sft)))
+    for name, chosen in (("rl", (rng.choice(train) for _ in range(n_rl))), ("eval", eval_pairs)):
+        write_records(paths[name], ({"prompt": tool_question(a, b), "answer": str(a * b)}
+                                    for a, b in chosen))
     return paths

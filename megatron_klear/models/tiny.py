@@ -18,6 +18,26 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# CHAT_TEMPLATE with Qwen3's tool parts, compact for a character-level tokenizer (every
+# character is a token): the tools go into a system turn as `name: parameters` (Qwen3 lists
+# each schema's JSON), an assistant message's tool_calls follow its content as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the hermes parser's format,
+# rollout/tool_calls.py), and role `tool` messages become user turns of <tool_response> blocks.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}"
+    "{% set f = t.function if t.function else t %}{{ '; ' if not loop.first }}{{ f.name }}: "
+    "{{ (f.parameters.properties if f.parameters else {}) | list | join(', ') }}"
+    "{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>"
+    "{{ m.content }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}{% set f = c.function if c.function else c %}"
+    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 def tiny_qwen3_config(vocab_size: int = 300, **overrides: Any) -> dict:
     """An HF ``config.json`` dict of a tiny dense Qwen3 (GQA 4/2 heads, QK-norm, SwiGLU)."""
@@ -59,8 +79,9 @@ def tiny_qwen3_moe_config(vocab_size: int = 300, **overrides: Any) -> dict:
     return cfg
 
 
-def build_tokenizer(out_dir: str | Path | None = None):
-    """A character-level ``PreTrainedTokenizerFast`` over printable ASCII plus Qwen specials."""
+def build_tokenizer(out_dir: str | Path | None = None, chat_template: str = CHAT_TEMPLATE):
+    """A character-level ``PreTrainedTokenizerFast`` over printable ASCII plus Qwen specials
+    (``chat_template``: :data:`CHAT_TEMPLATE`, or :data:`TOOL_CHAT_TEMPLATE` for tools)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,7 +93,7 @@ def build_tokenizer(out_dir: str | Path | None = None):
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:], chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=SPECIAL_TOKENS[1:], chat_template=chat_template,
     )
     if out_dir is not None:
         fast.save_pretrained(str(out_dir))
@@ -81,18 +102,19 @@ def build_tokenizer(out_dir: str | Path | None = None):
 
 def save_tiny_hf_model(out_dir: str | Path, *, seed: int = 0, std: float = 0.02,
                        with_tokenizer: bool = True, moe: bool = False,
-                       **config_overrides: Any) -> Path:
+                       chat_template: str = CHAT_TEMPLATE, **config_overrides: Any) -> Path:
     """Write a randomly initialised tiny Qwen3 HF checkpoint (safetensors + config) to ``out_dir``.
 
     ``std`` > 0.02 (e.g. 0.2) with random norm weights makes parity tests sensitive to
     any mapping error. ``moe``: a tiny Qwen3-MoE (:func:`tiny_qwen3_moe_config`) instead.
+    ``chat_template``: the tokenizer's (:func:`build_tokenizer`).
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out_dir if with_tokenizer else None)
+    tokenizer = build_tokenizer(out_dir if with_tokenizer else None, chat_template)
     overrides = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
                  "pad_token_id": tokenizer.pad_token_id}
     overrides.update(config_overrides)
