@@ -65,45 +65,29 @@ def eval_accuracy(model: Path, data: Path, out: Path, k: int, seed: int) -> floa
 
 def eval_with_tools(model: Path, data: Path, out: Path, k: int, seed: int) -> float:
     """avg@k of ``model`` on ``data`` at temperature 1.0 when it may call the python tool:
-    multi-turn rollouts (rollout/multi_turn.py, the limits of the quickstart's ``klear-rl
-    --tools``) on embedded servers, the math reward on the final answer; samples and report
-    written as klear-eval writes them (``out/samples.jsonl``, ``out/report.json``)."""
-    from megatron_klear.data.prompts import load_prompt_dataset, load_tokenizer
-    from megatron_klear.eval.evaluate import summarize, write_report
-    from megatron_klear.rewards import reward_max_score, score_batch
+    klear-eval's multi-turn evaluation (``evaluate(..., multi_turn=)``, the limits of the
+    quickstart's ``klear-rl --tools``) on embedded servers, the math reward on the final
+    answer; samples and report written as klear-eval writes them."""
+    from megatron_klear.data.prompts import load_tokenizer
+    from megatron_klear.eval.evaluate import Benchmark, evaluate, write_report
     from megatron_klear.rollout.client import RolloutClient, SamplingParams
     from megatron_klear.rollout.launcher import embedded_server_layout, launch_embedded_servers
-    from megatron_klear.rollout.multi_turn import MultiTurnConfig, generate_tool_turns
-    from megatron_klear.rollout.pipeline import RolloutContext
+    from megatron_klear.rollout.multi_turn import MultiTurnConfig
     from megatron_klear.rollout.tools import python_tool
 
     print(f"eval with the python tool: {model} on {data} (avg@{k})", flush=True)
     tok = load_tokenizer(model)
-    problems = load_prompt_dataset(data)
     cfg = MultiTurnConfig({"python": python_tool()}, max_turns=TOOL_MAX_TURNS,
                           max_response_tokens=TOOL_RESPONSE_LEN,
                           max_tool_response_tokens=TOOL_RESPONSE_TOKENS)
     params = SamplingParams(max_new_tokens=TOOL_RESPONSE_LEN, temperature=1.0, n=k,
                             stop_token_ids=[tok.eos_token_id])
     count, threads = embedded_server_layout()
-    records = []
-    with launch_embedded_servers(str(model), count, seed=seed, num_threads=threads) as servers:
-        ctx = RolloutContext(RolloutClient(servers.urls), tok, params, "math",
-                             reward_max_score("math"), multi_turn=cfg)
-        samples = generate_tool_turns(ctx, problems, [(seed * 1_000_003 + p.index) % 2**31
-                                                      for p in problems])
-    scores = score_batch("math", [s.response_text for s in samples],
-                         [s.label for s in samples])
-    for s, score in zip(samples, scores):
-        traj = s.trajectory
-        records.append({"benchmark": "arith", "problem": s.prompt_index, "reward_name": "math",
-                        "label": s.label, "response": s.response_text,
-                        "response_tokens": len(s.response_ids), "tool_calls": traj.calls,
-                        "turns": traj.messages[len(problems[s.prompt_index].messages):],
-                        "finish_reason": traj.stop_reason, "score": float(score)})
     out.mkdir(parents=True, exist_ok=True)
-    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    report = summarize(records, k)
+    with launch_embedded_servers(str(model), count, seed=seed, num_threads=threads) as servers:
+        report = evaluate(RolloutClient(servers.urls), tok, [Benchmark("arith", str(data))],
+                          k=k, params=params, samples_path=out / "samples.jsonl",
+                          progress=False, seed=seed, multi_turn=cfg)
     write_report(report, out, {"model": str(model), "tools": ["python"]})
     return report["arith"][f"avg@{k}"]
 
