@@ -102,7 +102,7 @@ def test_tool_trajectory_trains_the_assistant_turns_as_rendered(tok, tmp_path):
     ({"arguments": "print(37*89)"}, r"each tool call needs a 'name' and 'arguments'"),
     ({"name": ""}, r"each tool call needs a 'name' and 'arguments'"),
     ("tools", r"field 'tools' must be a list of tool JSON schemas"),
-    ("no content", r"'assistant' messages need a string 'content'"),
+    ("no content", r"'assistant' messages need a 'content' string \(or 'tool_calls'\)"),
 ])
 def test_malformed_tool_records_fail_naming_file_and_line(tok, tmp_path, bad, match):
     """After a good record, a bad one fails at its FILE:LINE, in the pre-flight check (no

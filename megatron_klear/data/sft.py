@@ -73,8 +73,9 @@ def _message(m: Any, where: str) -> dict:
         _tool_calls(m["tool_calls"], where)
         if m.get("content") is None:
             return dict(m, content="")
-    if not isinstance(m.get("content"), str):
-        raise DataError(f"{where}: {m['role']!r} messages need a string 'content'")
+    if "content" not in m or (m["role"] == "assistant" and not isinstance(m["content"], str)):
+        raise DataError(f"{where}: {m['role']!r} messages need a 'content'"
+                        + (" string (or 'tool_calls')" if m["role"] == "assistant" else ""))
     return m
 
 
