@@ -4,6 +4,7 @@ sync's rendezvous all start here, so none of them imports another's module for i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_klear import platform
 
-__all__ = ["free_port", "initialize_parallel", "seed_everything"]
+__all__ = ["free_port", "free_port_range", "initialize_parallel", "seed_everything"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,6 +23,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_range(count: int, host: str = "127.0.0.1", tries: int = 100) -> int:
+    """The first of ``count`` consecutive TCP ports free on ``host`` right now, for launchers
+    that place servers at BASE_PORT + i. Drawn below Linux's ephemeral range (32768+), where
+    the suite's own client sockets would otherwise take BASE_PORT + i between draw and bind."""
+    rng = random.Random()
+    for _ in range(tries):
+        base = rng.randrange(20000, 32768 - count)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports on {host} in {tries} tries")
 
 
 def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, *, vpp: int | None = None,

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_klear.distributed import free_port
+from megatron_klear.distributed import free_port, free_port_range
 from megatron_klear.rollout.launcher import launch_embedded_servers
 from megatron_klear.train.metrics import read_metrics
 
@@ -116,7 +116,7 @@ def servers_like_launch_sglang(model: Path, count: int, log_dir: Path):
     """Rollout servers where ``launch_sglang.sh`` puts them: its --dry-run gives the commands
     (model, ports) and the URLs it prints for ROLLOUT_URLS; embedded servers take those ports
     and serve that model. Yields the URLs as the script printed them."""
-    base = free_port()
+    base = free_port_range(count)
     out = subprocess.run(
         ["bash", str(EXAMPLES / "klear_8b" / "launch_sglang.sh"), "--dry-run"], cwd=ROOT,
         env=node_env(MODEL=str(model), SERVER_TP="1", GPUS_PER_NODE=str(count),
