@@ -66,3 +66,21 @@ def test_async_flags_errors_name_the_flag(argv, msg):
     cfg = parse_config(RLConfig, required + ["--async-rollout", "--max-staleness", "2",
                                              "--async-inflight", "abort"])
     assert (cfg.max_staleness, cfg.async_inflight) == (2, "abort")
+
+
+def test_prompt_stream_epochs_are_seeded_permutations_and_resume_mid_epoch():
+    """Each epoch draws every prompt once, in the order of a shuffle seeded by (seed, epoch)
+    (the order checkpoints resume by: a changed order would change resumed runs' data); a
+    stream started at a position continues exactly where the first one was."""
+    import random
+
+    prompts = [PromptSample(i, [], None) for i in range(7)]
+    drawn = [(pos, p.index) for pos, p in PromptStream(prompts, seed=3).take(17)]
+    expected = []
+    for epoch in range(3):
+        order = list(range(7))
+        random.Random(3 * 7919 + epoch).shuffle(order)
+        expected += order
+    assert drawn == list(enumerate(expected[:17]))
+    resumed = PromptStream(prompts, seed=3, consumed=9)
+    assert [(pos, p.index) for pos, p in resumed.take(8)] == drawn[9:]

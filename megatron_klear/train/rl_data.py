@@ -105,15 +105,23 @@ class PromptStream:
 
     def __init__(self, prompts: Sequence[PromptSample], seed: int, consumed: int = 0):
         self.prompts, self.seed, self.consumed = prompts, seed, consumed
+        self._epoch: tuple[int, list[int]] | None = None  # (epoch, its order), drawn once
+
+    def _order(self, epoch: int) -> list[int]:
+        """The prompt order of ``epoch``: shuffled once per epoch, not once per prompt (a
+        100k-prompt set would otherwise cost a 100k shuffle per prompt drawn)."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            order = list(range(len(self.prompts)))
+            random.Random(self.seed * 7919 + epoch).shuffle(order)
+            self._epoch = (epoch, order)
+        return self._epoch[1]
 
     def take(self, count: int) -> list[tuple[int, PromptSample]]:
         """The next ``count`` prompts with their stream positions."""
         out = []
         for _ in range(count):
             epoch, pos = divmod(self.consumed, len(self.prompts))
-            order = list(range(len(self.prompts)))
-            random.Random(self.seed * 7919 + epoch).shuffle(order)
-            out.append((self.consumed, self.prompts[order[pos]]))
+            out.append((self.consumed, self.prompts[self._order(epoch)[pos]]))
             self.consumed += 1
         return out
 
