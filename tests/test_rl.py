@@ -270,7 +270,8 @@ def _rl_args(hf, data, save, iters, *extra):
             "--reward", "tests.reward_plugins:parity_reward", "--rollout-batch-size", "4",
             "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
             "--rollout-max-response-len", "12", "--lr", "1e-3",
-            "--train-iters", str(iters), "--seed", "3", "--no-progress-bar", *extra]
+            "--train-iters", str(iters), "--seed", "3", "--no-progress-bar",
+            "--probe-interval", "1", *extra]  # the checks read the probe at every step
 
 
 def _rl_train(rank, world, argv):
@@ -328,9 +329,15 @@ def test_rl_steps_with_embedded_server(hf_model, prompts, tmp_path, layout):
 
 
 def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
+    """SIGKILL mid-run, resume: the same losses, rewards and prompts as an uninterrupted run.
+    Both probe every 3 steps (--probe-interval 3): after step 1 (the run's first sync), step
+    3, and the resumed run's first step, which a probe must not change."""
+    from megatron_klear.rollout.probe import PROBE_METRIC
+
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
-                        *_rl_args(hf_model, prompts, save, 4, "--save-interval", "1")]
+                        *_rl_args(hf_model, prompts, save, 4, "--save-interval", "1",
+                                  "--probe-interval", "3")]
     # the uninterrupted reference runs side by side with the run that is killed (independent
     # runs: their imports and model loads overlap)
     ref_log = (tmp_path / "ref.log").open("w")
@@ -356,10 +363,16 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     assert any("multiprocessing" in k for k in kinds), kinds
     _, alive = psutil.wait_procs(family, timeout=20)
     assert not alive, [p.pid for p in alive]
+    killed_lines = len(read_metrics(metrics))
     subprocess.run(cli(tmp_path / "run"), check=True, env=env, capture_output=True)
     ref = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")}
     got = {r["step"]: r for r in read_metrics(metrics)}
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    assert [PROBE_METRIC in ref[s] for s in (1, 2, 3, 4)] == [True, False, True, False]
+    resumed_at = read_metrics(metrics)[killed_lines]["step"]
+    for step, r in got.items():
+        assert (PROBE_METRIC in r) == (step in (1, 3, resumed_at)), (step, resumed_at)
+        assert r.get(PROBE_METRIC, 0.0) < 1e-4
     for step in ref:
         for key in ("train/loss", "train/policy_loss", "rollout/reward_mean",
                     "data/consumed_prompts", "data/prompt_indices"):
@@ -422,6 +435,25 @@ def test_share_prompts_refused_where_its_tree_mask_cannot_run(bad):
     assert parse_config(RLConfig, base).share_prompts
     with pytest.raises(ConfigError, match="--share-prompts"):
         parse_config(RLConfig, base + bad)
+
+
+def test_probe_interval_names_the_probed_steps():
+    """--probe-interval K probes the first sync of a process (a fresh run's step 1, a
+    resume's first step) and every K-th step; --no-probe-weights none; K < 1 is refused."""
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.train.rl import RLConfig
+
+    base = ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl"]
+    cfg = parse_config(RLConfig, base)
+    assert cfg.probe_interval == 10  # the default
+    assert [s for s in range(1, 31) if cfg.probe_due(s, first=s == 1)] == [1, 10, 20, 30]
+    assert [s for s in range(7, 21) if cfg.probe_due(s, first=s == 7)] == [7, 10, 20]
+    every = parse_config(RLConfig, base + ["--probe-interval", "1"])
+    assert all(every.probe_due(s, first=False) for s in range(1, 5))
+    off = parse_config(RLConfig, base + ["--no-probe-weights"])
+    assert not any(off.probe_due(s, first=s == 1) for s in range(1, 21))
+    with pytest.raises(ConfigError, match="--probe-interval"):
+        parse_config(RLConfig, base + ["--probe-interval", "0"])
 
 
 def test_rl_with_tools_async_and_dynamic_sampling(tmp_path, prompts):

@@ -148,6 +148,7 @@ def _rl_cmd(hf, data, save, iters: int, *extra: str) -> list[str]:
             "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
             "--rollout-max-response-len", "12", "--lr", "1e-3", "--no-dynamic-sampling",
             "--train-iters", str(iters), "--seed", "3", "--no-progress-bar",
+            "--probe-interval", "1",
             "--save-interval", "1", *extra]
 
 

@@ -129,7 +129,7 @@ def test_rl_step_with_routing_replay(rollout, tmp_path):
     args = ["--hf-checkpoint", hf, "--prompt-data", str(data), "--reward",
             "tests.reward_plugins:parity_reward", "--rollout-batch-size", "2",
             "--mini-batch-size", "2", "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
-            "--rollout-max-response-len", "6", "--no-dynamic-sampling", "--train-iters", "2",
+            "--rollout-max-response-len", "6", "--no-dynamic-sampling", "--train-iters", "2", "--probe-interval", "1",
             "--no-progress-bar", "--use-routing-replay", "--share-prompts"]
     hist = run_distributed(_rl, 1, args, timeout=400)[0]
     assert len(hist) == 2

@@ -1,4 +1,7 @@
-"""The weight-sync probe: after every sync, do the rollout engines hold the trainer's weights?
+"""The weight-sync probe: after a sync, do the rollout engines hold the trainer's weights?
+
+klear-rl probes the first sync of a run (or of a resume) and every ``--probe-interval``-th
+step's (RLConfig.probe_due).
 
 The trainer and every engine compute the log-probs of one fixed token sequence
 (:func:`probe_ids`); the max |engine - trainer| (``weight_sync/probe_max_abs_diff``) is near 0

@@ -44,7 +44,8 @@ own node (:func:`stage_master_addr`: ``--weight-sync-master-addr`` where this no
 
 Correctness probe: :meth:`WeightSync.probe` asks every server for the logprobs of a fixed
 sequence and returns the max |server - trainer|; :mod:`megatron_klear.rollout.probe` runs it
-after every sync, in either placement (``weight_sync/probe_max_abs_diff``).
+after a sync (those ``--probe-interval`` names), in either placement
+(``weight_sync/probe_max_abs_diff``).
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ class Placement(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def sync_and_probe(self, version: str) -> dict[str, float]:
-        """Send the trained weights as ``version`` (and, with ``--probe-weights``, check them);
-        the engines generate next."""
+    def sync_and_probe(self, version: str, probe: bool) -> dict[str, float]:
+        """Send the trained weights as ``version`` (and with ``probe``, check them: the
+        steps :meth:`RLConfig.probe_due` names); the engines generate next."""
 
     def trainer_resident(self) -> ContextManager[None]:
         """The trainer's state on the device for the block (a checkpoint save)."""
@@ -62,18 +62,14 @@ class Placement(abc.ABC):
 class SeparatePlacement(Placement):
     """Engines on devices of their own: the trainer stays resident."""
 
-    def __init__(self, engine: Engine, sync: Any, probe: bool) -> None:
-        super().__init__(engine, sync)
-        self.probe = probe
-
     def start(self, version: str) -> None:
         self.sync.connect()
         self.sync.sync(weight_version=version)
 
-    def sync_and_probe(self, version: str) -> dict[str, float]:
+    def sync_and_probe(self, version: str, probe: bool) -> dict[str, float]:
         self.engine.gather_params()  # the distributed optimizer may defer the all-gather
         metrics = dict(self.sync.sync(weight_version=version))
-        if self.probe:
+        if probe:
             t0 = time.time()
             metrics.update(probe_after_sync(self.sync, self.engine))
             metrics["time/probe_s"] = time.time() - t0
@@ -83,9 +79,9 @@ class SeparatePlacement(Placement):
 class ColocatedPlacement(Placement):
     """Trainer and engines on the same devices, taking turns (train/colocate.py)."""
 
-    def __init__(self, engine: Engine, sync: Any, colocation: Colocation, probe: bool) -> None:
+    def __init__(self, engine: Engine, sync: Any, colocation: Colocation) -> None:
         super().__init__(engine, sync)
-        self.colocation, self.probe = colocation, probe
+        self.colocation = colocation
 
     def start(self, version: str) -> None:
         self.sync.connect()
@@ -95,8 +91,8 @@ class ColocatedPlacement(Placement):
     def before_train(self) -> dict[str, float]:
         return self.colocation.before_train()
 
-    def sync_and_probe(self, version: str) -> dict[str, float]:
-        return self.colocation.sync_and_probe(self.sync, version, self.probe)
+    def sync_and_probe(self, version: str, probe: bool) -> dict[str, float]:
+        return self.colocation.sync_and_probe(self.sync, version, probe)
 
     def trainer_resident(self) -> ContextManager[None]:
         return self.colocation.trainer_resident()
@@ -115,7 +111,7 @@ def build_placement(cfg: RLConfig, urls: list[str], engine: Engine, client: Any)
         sync = TensorWeightSync(urls, engine.model, engine.arch, rollout_client=client,
                                 bucket_bytes=cfg.weight_sync_bucket_mb * 2**20)
         colocation = Colocation(engine, client if torch.distributed.get_rank() == 0 else None)
-        return ColocatedPlacement(engine, sync, colocation, cfg.probe_weights)
+        return ColocatedPlacement(engine, sync, colocation)
     from megatron_klear.rollout.weight_sync import WeightSync
 
     # synchronous runs have nothing in flight at a sync: abort + flush is the clean state
@@ -127,7 +123,7 @@ def build_placement(cfg: RLConfig, urls: list[str], engine: Engine, client: Any)
                       pause_mode=INFLIGHT_PAUSE_MODES[cfg.async_inflight]
                       if cfg.async_rollout else "abort",
                       flush_cache=not cfg.async_rollout)
-    return SeparatePlacement(engine, sync, cfg.probe_weights)
+    return SeparatePlacement(engine, sync)
 
 
 @contextlib.contextmanager

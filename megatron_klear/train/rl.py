@@ -66,7 +66,8 @@ def train(cfg: RLConfig) -> list[dict]:
                 """Rollout, training, weight sync (and probe), periodic eval: step + 1."""
                 metrics = rl_step(engine, cfg, source, tokenizer, step, reference,
                                   placement.before_train)
-                metrics.update(placement.sync_and_probe(str(step + 1)))
+                metrics.update(placement.sync_and_probe(
+                    str(step + 1), cfg.probe_due(step + 1, first=step == run.step)))
                 source.weights_updated(step + 1)
                 if cfg.eval_data and cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
                     metrics.update(periodic_eval(cfg, client, tokenizer))

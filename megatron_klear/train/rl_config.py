@@ -401,12 +401,27 @@ class WeightSyncFlags(Section):
     weight_sync_master_addr: str | None = opt(None, "address the rollout servers dial to join "
                                               "the weight-update group (default: this node's "
                                               "address on the route to the first server)")
-    probe_weights: bool = opt(True, "after each sync, compare server and trainer log-probs")
+    probe_weights: bool = opt(True, "after a sync, compare server and trainer log-probs of a "
+                              "fixed sequence (weight_sync/probe_max_abs_diff), on the steps "
+                              "--probe-interval names")
+    probe_interval: int = opt(10, "probe after the first sync of the run (or of a resume) and "
+                              "after every K-th step's; 1: every step. Per step it costs a "
+                              "forward on each side, ~5-10%% of a tiny CPU model's step "
+                              "(docs/training.md)")
 
     def validate_section(self) -> None:  # noqa: D102
         if self.weight_sync_bucket_mb < 1:
             raise ConfigError(f"--weight-sync-bucket-mb must be >= 1, got "
                               f"{self.weight_sync_bucket_mb}")
+        if self.probe_interval < 1:
+            raise ConfigError(f"--probe-interval must be >= 1 (1: probe every step), got "
+                              f"{self.probe_interval}")
+
+    def probe_due(self, step: int, first: bool) -> bool:
+        """Whether the sync after ``step`` (1-based) is probed: ``first`` (the first sync
+        after this process's first step, which a resume's reload also reaches) or every
+        --probe-interval steps."""
+        return self.probe_weights and (first or step % self.probe_interval == 0)
 
 
 @dataclass

@@ -127,7 +127,8 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
         "--rollout-urls", *urls, "--reward", "math", "--rollout-batch-size", "4",
         "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
         "--rollout-max-response-len", "16", "--no-dynamic-sampling", "--bf16",
-        "--use-distributed-optimizer", "--train-iters", "2", "--save", str(tmp / "ck"),
+        "--use-distributed-optimizer", "--train-iters", "2", "--probe-interval", "1",
+        "--save", str(tmp / "ck"),
         "--no-progress-bar"]))
     probes = [m.get(PROBE_METRIC) for m in hist]
     ok = (gained >= 0.8 * weights and len(probes) == 2

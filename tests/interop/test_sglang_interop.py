@@ -50,6 +50,7 @@ def _rl_args(hf: Path, data: Path, save: Path, urls: list[str], iters: int, *ext
             "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
             "--rollout-max-response-len", "12", "--lr", "1e-3", "--no-dynamic-sampling",
             "--train-iters", str(iters), "--seed", "3", "--no-progress-bar",
+            "--probe-interval", "1",
             "--rollout-urls", *urls, *extra]
 
 
