@@ -456,6 +456,20 @@ def test_probe_interval_names_the_probed_steps():
         parse_config(RLConfig, base + ["--probe-interval", "0"])
 
 
+def test_tools_with_a_raw_prompt_template_refused_at_parse_time():
+    """--tools renders calls and responses through the chat template: klear-rl refuses
+    --prompt-template raw with it when the flags are parsed, with klear-eval's message."""
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.rollout.tool_flags import RAW_WITH_TOOLS
+    from megatron_klear.train.rl import RLConfig
+
+    base = ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--tools", "python"]
+    assert parse_config(RLConfig, base + ["--prompt-template", "chat"]).tools == ["python"]
+    with pytest.raises(ConfigError) as e:
+        parse_config(RLConfig, base + ["--prompt-template", "raw"])
+    assert str(e.value) == RAW_WITH_TOOLS
+
+
 def test_rl_with_tools_async_and_dynamic_sampling(tmp_path, prompts):
     """klear-rl --tools python, one launch: multi-turn trajectories (the real sandboxed
     python tool, and hostile calls: malformed JSON, an unknown tool) train under

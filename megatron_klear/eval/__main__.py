@@ -27,7 +27,7 @@ from megatron_klear.eval.evaluate import Benchmark, evaluate, parse_benchmark, r
     write_report
 from megatron_klear.rollout.multi_turn import MultiTurnConfig
 from megatron_klear.rollout.sampling import SamplingParams
-from megatron_klear.rollout.tool_flags import ToolFlags, check_tools_chat_template
+from megatron_klear.rollout.tool_flags import RAW_WITH_TOOLS, ToolFlags, check_tools_chat_template
 
 # klear-eval's sampling flags on the one sampling contract's fields
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
@@ -115,9 +115,7 @@ def check_args(args: argparse.Namespace
     prompts.check_inputs(None)
     multi_turn = section_from_args(ToolFlags, args).multi_turn_config(args.max_new_tokens)
     if multi_turn and prompts.prompt_template == "raw":
-        raise ConfigError("--tools renders tool calls and responses with the chat template: "
-                          "drop --prompt-template raw (--chat-template FILE for a model "
-                          "without one)")
+        raise ConfigError(RAW_WITH_TOOLS)
     benches = [parse_benchmark(b, prompt_key=prompts.prompt_key, answer_key=prompts.answer_key,
                                answer_format=prompts.answer_format) for b in args.benchmark]
     for spec, bench in zip(args.benchmark, benches):

@@ -17,7 +17,10 @@ from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError
 from megatron_klear.rollout.tool_calls import ToolParser, get_tool_parser
 from megatron_klear.rollout.tools import Tool, load_tool, python_tool
 
-__all__ = ["ToolFlags", "check_tools_chat_template"]
+__all__ = ["RAW_WITH_TOOLS", "ToolFlags", "check_tools_chat_template"]
+
+RAW_WITH_TOOLS = ("--tools renders tool calls and responses with the chat template: drop "
+                  "--prompt-template raw (--chat-template FILE for a model without one)")
 
 
 @dataclass
@@ -41,9 +44,13 @@ class ToolFlags(Section):
                               "message to the model)")
 
     def validate_section(self) -> None:
-        """Tools load, the parser exists, limits are positive."""
+        """Tools load, the parser exists, limits are positive; in a config that mixes in the
+        prompt flags (klear-rl), no ``--prompt-template raw`` (klear-eval checks it with its
+        prompt section: :data:`RAW_WITH_TOOLS`)."""
         if not self.tools:
             return
+        if getattr(self, "prompt_template", None) == "raw":
+            raise ConfigError(RAW_WITH_TOOLS)
         if self.max_turns < 1 or self.max_tool_response_tokens < 1 or not self.tool_timeout > 0:
             raise ConfigError("--max-turns and --max-tool-response-tokens must be >= 1 and "
                               "--tool-timeout > 0")
