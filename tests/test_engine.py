@@ -71,7 +71,9 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp) on two ranks
 
 
 def _train_each_layout(rank, world, ckpt_dir):
-    """_train at every layout of LAYOUTS in turn, in the same ranks (one launch for all)."""
+    """_train at every layout of LAYOUTS in turn, in the same ranks (one launch for all).
+    Nothing is torn down in between: each build_engine must set up its own layout's
+    parallel state over the last one's (the layout check below fails if it kept it)."""
     from megatron.core import parallel_state
 
     out = {}
@@ -80,7 +82,6 @@ def _train_each_layout(rank, world, ckpt_dir):
         ran = (parallel_state.get_tensor_model_parallel_world_size(),
                parallel_state.get_pipeline_model_parallel_world_size())
         out[name] = dict(steps=steps, layout=ran)
-        parallel_state.destroy_model_parallel()
     return out
 
 

@@ -302,12 +302,33 @@ def cpu_threads(requested: int | None = None) -> int:
     return max(1, len(os.sched_getaffinity(0)) // local)
 
 
+def _parallel_layout(tp: int, pp: int, vpp: int | None, cp: int, ep: int, etp: int | None
+                     ) -> tuple:
+    """A parallel layout as megatron's parallel state reports it (``etp`` None: ``tp``)."""
+    return (tp, pp, vpp, cp, ep, etp or tp)
+
+
+def _current_layout() -> tuple:
+    ps = parallel_state
+    return _parallel_layout(ps.get_tensor_model_parallel_world_size(),
+                            ps.get_pipeline_model_parallel_world_size(),
+                            ps.get_virtual_pipeline_model_parallel_world_size(),
+                            ps.get_context_parallel_world_size(),
+                            ps.get_expert_model_parallel_world_size(),
+                            ps.get_expert_tensor_parallel_world_size())
+
+
 def build_engine(cfg: TrainConfig, arch: Qwen3Arch, *, with_optimizer: bool = True) -> Engine:
-    """Initialise parallel state (if needed) and build the model, optimizer and schedule."""
-    if not parallel_state.model_parallel_is_initialized():
+    """Initialise parallel state (kept when it already has ``cfg``'s layout, made again
+    when it has another: a second trainer in one process at another TP must not run on the
+    first one's groups) and build the model, optimizer and schedule."""
+    vpp = PipelineLayout.from_config(arch.num_layers, cfg).virtual_size
+    wanted = _parallel_layout(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                              vpp, cfg.context_parallel_size, cfg.expert_model_parallel_size,
+                              cfg.expert_tp)
+    if not parallel_state.model_parallel_is_initialized() or _current_layout() != wanted:
         initialize_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                            cfg.seed, cp=cfg.context_parallel_size,
-                            vpp=PipelineLayout.from_config(arch.num_layers, cfg).virtual_size,
+                            cfg.seed, cp=cfg.context_parallel_size, vpp=vpp,
                             ep=cfg.expert_model_parallel_size, etp=cfg.expert_tp)
     if dist.is_initialized():
         cfg.data_parallel_size(dist.get_world_size())
