@@ -225,7 +225,8 @@ def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
     shared = [f.name for f in dataclasses.fields(PromptFlags)]
     tools = [f.name for f in dataclasses.fields(ToolFlags)]
     assert len(shared) == 6 and tools == ["tools", "tool_parser", "max_turns",
-                                          "max_tool_response_tokens", "tool_timeout"]
+                                          "max_tool_response_tokens", "tool_timeout",
+                                          "max_tool_calls"]
     for name in shared + tools:
         assert ev[name][:2] == rl[name][:2] and ev[name][3:] == rl[name][3:], name
     assert sft["chat_template_kwargs"][3] == rl["chat_template_kwargs"][3]

@@ -196,6 +196,29 @@ def test_hostile_user_tools_and_a_deeply_nested_call_inside_a_rollout():
     assert t.tool_errors == 3 and score_samples(ctx, [s])[0].reward == 1.0
 
 
+def test_calls_past_the_per_turn_cap_are_answered_not_run():
+    """--max-tool-calls 2: a turn of five calls runs two (the tool counts its runs); the
+    other three get an error response each, so every call has its response."""
+    from megatron_klear.rollout.tools import Tool
+
+    runs = []
+    count = Tool("count", {"type": "function", "function": {"name": "count", "parameters": {}}},
+                 lambda a: runs.append(1) or str(len(runs)))
+    tok, end = _tokenizer(), "<|im_end|>"
+    named = '<tool_call>\n{"name": "count", "arguments": {}}\n</tool_call>'
+    engine = ScriptedEngine(tok, {"Count": ["\n".join([named] * 5) + end, "\\boxed{2}" + end]})
+    cfg = MultiTurnConfig({"count": count}, max_response_tokens=5000, max_tool_calls=2)
+    ctx = RolloutContext(engine, tok, SamplingParams(n=1, max_new_tokens=4000), "math", 1.0,
+                         multi_turn=cfg)
+    (s,) = generate_tool_turns(ctx, [PromptSample(0, [{"role": "user", "content": "Count"}],
+                                                  "2")], [0])
+    t = s.trajectory
+    assert len(runs) == 2 and t.stop_reason == "answer" and t.calls == 5
+    assert t.tool_outputs[:2] == ["1", "2"] and t.tool_errors == 3
+    assert t.tool_outputs[2:] == ["error: not run: at most 2 tool calls per turn"] * 3
+    assert [m["role"] for m in t.messages].count("tool") == 5
+
+
 @pytest.mark.parametrize("limit, reason, turns_taken", [
     ({"max_turns": 2}, "max_turns", 2),
     ({"max_response_tokens": 120}, "max_response_tokens", 1),

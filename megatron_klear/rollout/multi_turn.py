@@ -37,7 +37,7 @@ from megatron_klear.rollout.client import SamplingParams, sample_seed
 from megatron_klear.rollout.pipeline import RolloutContext, Sample, limit_prompt, \
     register_stage
 from megatron_klear.rollout.tool_calls import ParsedTurn, ToolCall, ToolParser, parse_hermes
-from megatron_klear.rollout.tools import Tool, run_tool_call
+from megatron_klear.rollout.tools import Tool, ToolResult, run_tool_call
 
 __all__ = ["MultiTurnConfig", "Trajectory", "generate_tool_turns", "tool_response_ids",
            "check_tool_template", "turn_request_seed", "ToolTemplateError", "STOP_REASONS"]
@@ -63,6 +63,7 @@ class MultiTurnConfig:
     tool_wall_s: float = 5.0             # per call
     tool_output_chars: int = 16384       # cut before tokenizing
     tool_workers: int = 4                # calls run at once
+    max_tool_calls: int = 8              # calls run per assistant turn; later ones: an error
 
     def prompt_tools(self, prompt: PromptSample) -> dict[str, Tool]:
         """The tools ``prompt`` may call: its ``meta["tools"]`` names (data/prompts.py
@@ -247,9 +248,13 @@ def _answer_calls(ctx: RolloutContext, cfg: MultiTurnConfig, rollouts: list[_Rol
                   pool: ThreadPoolExecutor) -> list[_Rollout]:
     """Run the calls of every rollout, append their responses; the rollouts that go on."""
     t0 = time.time()
+    cap = cfg.max_tool_calls
     futures = [[pool.submit(run_tool_call, r.call(c), r.tools, cfg.tool_wall_s,
-                            cfg.tool_output_chars) for c in r.calls] for r in rollouts]
-    results = [[f.result() for f in fs] for fs in futures]
+                            cfg.tool_output_chars) for c in r.calls[:cap]] for r in rollouts]
+    # every call gets a response (the template pairs them); those past the cap are not run
+    over = ToolResult(f"error: not run: at most {cap} tool calls per turn", True)
+    results = [[f.result() for f in fs] + [over] * (len(r.calls) - len(fs))
+               for r, fs in zip(rollouts, futures)]
     ctx.add_stat("time/tools_s", time.time() - t0)
     going = []
     for r, res in zip(rollouts, results):

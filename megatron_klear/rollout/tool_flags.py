@@ -42,6 +42,9 @@ class ToolFlags(Section):
                                         "cut, with a note to the model")
     tool_timeout: float = opt(5.0, "with --tools: wall seconds per tool call (then an error "
                               "message to the model)")
+    max_tool_calls: int = opt(8, "with --tools: tool calls run per assistant turn; the turn's "
+                              "later calls are answered with an error, not run (verl's "
+                              "max_parallel_calls)")
 
     def validate_section(self) -> None:
         """Tools load, the parser exists, limits are positive; in a config that mixes in the
@@ -51,9 +54,10 @@ class ToolFlags(Section):
             return
         if getattr(self, "prompt_template", None) == "raw":
             raise ConfigError(RAW_WITH_TOOLS)
-        if self.max_turns < 1 or self.max_tool_response_tokens < 1 or not self.tool_timeout > 0:
-            raise ConfigError("--max-turns and --max-tool-response-tokens must be >= 1 and "
-                              "--tool-timeout > 0")
+        if min(self.max_turns, self.max_tool_response_tokens, self.max_tool_calls) < 1 \
+                or not self.tool_timeout > 0:
+            raise ConfigError("--max-turns, --max-tool-response-tokens and --max-tool-calls "
+                              "must be >= 1 and --tool-timeout > 0")
         self._tools_and_parser()
 
     def _tools_and_parser(self) -> tuple[dict[str, Tool], ToolParser]:
@@ -84,7 +88,7 @@ class ToolFlags(Section):
         return MultiTurnConfig(tools, parser, max_turns=self.max_turns,
                                max_response_tokens=max_response_tokens,
                                max_tool_response_tokens=self.max_tool_response_tokens,
-                               tool_wall_s=self.tool_timeout)
+                               tool_wall_s=self.tool_timeout, max_tool_calls=self.max_tool_calls)
 
 
 def check_tools_chat_template(tokenizer: Any, multi_turn: MultiTurnConfig | None) -> None:
