@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -53,43 +54,25 @@ def torchrun_cmd(nproc: int, module: str, args: list[str]) -> list[str]:
             f"--nproc-per-node={nproc}", "-m", module, *args]
 
 
-def eval_accuracy(model: Path, data: Path, out: Path, k: int, seed: int) -> float:
-    """avg@k of ``model`` on the arithmetic eval set at temperature 1.0 (klear-eval); its
-    samples are kept in ``out/samples.jsonl`` for :func:`rl_gain`."""
+def tool_flags(tools: bool) -> list[str]:
+    """The python tool and its limits, the same for the quickstart's klear-rl and klear-eval
+    (ToolFlags: one set of names and defaults in both CLIs); none without ``tools``."""
+    return ["--tools", "python", "--max-turns", str(TOOL_MAX_TURNS),
+            "--max-tool-response-tokens", str(TOOL_RESPONSE_TOKENS)] if tools else []
+
+
+def eval_accuracy(model: Path, data: Path, out: Path, k: int, seed: int,
+                  tools: bool = False) -> float:
+    """avg@k of ``model`` on the eval set at temperature 1.0 (klear-eval; with ``tools`` the
+    model may call the python tool, within the limits of the quickstart's klear-rl
+    ``--tools``, and the math reward scores the final answer); its samples are kept in
+    ``out/samples.jsonl`` for :func:`rl_gain`."""
+    length = TOOL_RESPONSE_LEN if tools else 48
     run_logged([sys.executable, "-m", "megatron_klear.eval", "--model", str(model),
                 "--benchmark", f"arith={data}", "--k", str(k), "--temperature", "1.0",
-                "--max-new-tokens", "48", "--out-dir", str(out), "--seed", str(seed)],
-               out.with_suffix(".log"))
+                "--max-new-tokens", str(length), "--out-dir", str(out), "--seed", str(seed)]
+               + tool_flags(tools), out.with_suffix(".log"))
     return json.loads((out / "report.json").read_text())["benchmarks"]["arith"][f"avg@{k}"]
-
-
-def eval_with_tools(model: Path, data: Path, out: Path, k: int, seed: int) -> float:
-    """avg@k of ``model`` on ``data`` at temperature 1.0 when it may call the python tool:
-    klear-eval's multi-turn evaluation (``evaluate(..., multi_turn=)``, the limits of the
-    quickstart's ``klear-rl --tools``) on embedded servers, the math reward on the final
-    answer; samples and report written as klear-eval writes them."""
-    from megatron_klear.data.prompts import load_tokenizer
-    from megatron_klear.eval.evaluate import Benchmark, evaluate, write_report
-    from megatron_klear.rollout.client import RolloutClient, SamplingParams
-    from megatron_klear.rollout.launcher import embedded_server_layout, launch_embedded_servers
-    from megatron_klear.rollout.multi_turn import MultiTurnConfig
-    from megatron_klear.rollout.tools import python_tool
-
-    print(f"eval with the python tool: {model} on {data} (avg@{k})", flush=True)
-    tok = load_tokenizer(model)
-    cfg = MultiTurnConfig({"python": python_tool()}, max_turns=TOOL_MAX_TURNS,
-                          max_response_tokens=TOOL_RESPONSE_LEN,
-                          max_tool_response_tokens=TOOL_RESPONSE_TOKENS)
-    params = SamplingParams(max_new_tokens=TOOL_RESPONSE_LEN, temperature=1.0, n=k,
-                            stop_token_ids=[tok.eos_token_id])
-    count, threads = embedded_server_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    with launch_embedded_servers(str(model), count, seed=seed, num_threads=threads) as servers:
-        report = evaluate(RolloutClient(servers.urls), tok, [Benchmark("arith", str(data))],
-                          k=k, params=params, samples_path=out / "samples.jsonl",
-                          progress=False, seed=seed, multi_turn=cfg)
-    write_report(report, out, {"model": str(model), "tools": ["python"]})
-    return report["arith"][f"avg@{k}"]
 
 
 def rl_gain(before: Path, after: Path) -> tuple[float, float]:
@@ -128,9 +111,7 @@ def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> l
             "--n-samples-per-prompt", "8", "--rollout-max-response-len", str(length),
             "--lr", str(args.rl_lr), "--train-iters", str(args.rl_iters), "--seed", str(args.seed),
             "--save", str(out / "rl_ckpt"), "--export-hf", str(out / "rl_hf"), "--no-progress-bar"
-            ] + colocate + (["--tools", "python", "--max-turns", str(TOOL_MAX_TURNS),
-                             "--max-tool-response-tokens", str(TOOL_RESPONSE_TOKENS)]
-                            if tools else [])
+            ] + colocate + tool_flags(tools)
 
 
 @contextlib.contextmanager
@@ -179,7 +160,7 @@ def main() -> None:
     args = p.parse_args()
     args.sft_iters = args.sft_iters or (400 if args.tools else 300)
     write_data = write_tool_arithmetic_data if args.tools else write_arithmetic_data
-    evaluate = eval_with_tools if args.tools else eval_accuracy
+    evaluate = functools.partial(eval_accuracy, tools=args.tools)
     out = Path(args.out)
     if args.dry_run:  # the data it would train on, written aside: the dry run checks files
         with tempfile.TemporaryDirectory() as tmp:
