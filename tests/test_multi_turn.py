@@ -214,7 +214,7 @@ def test_calls_past_the_per_turn_cap_are_answered_not_run():
                                                   "2")], [0])
     t = s.trajectory
     assert len(runs) == 2 and t.stop_reason == "answer" and t.calls == 5
-    assert t.tool_outputs[:2] == ["1", "2"] and t.tool_errors == 3
+    assert sorted(t.tool_outputs[:2]) == ["1", "2"] and t.tool_errors == 3  # run at once
     assert t.tool_outputs[2:] == ["error: not run: at most 2 tool calls per turn"] * 3
     assert [m["role"] for m in t.messages].count("tool") == 5
 
