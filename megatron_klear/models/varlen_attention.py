@@ -62,13 +62,13 @@ def length_groups(lengths: list[int], num_heads: int, slack: float = GROUP_SLACK
 
 @dataclass(frozen=True)
 class _Group:
-    """One scaled-dot-product call: right-padded members' query and key indices into the pack
-    ([g, Lq], [g, Lk]), which query slots are real ([g, Lq]), and the tree mask where a member
-    sees a context segment ([g, Lq, Lk]; None: plain causal)."""
+    """One scaled-dot-product call: ``size`` right-padded members of ``q_len`` query and
+    ``k_len`` key slots, and the tree mask where a member sees a context segment
+    ([g, Lq, Lk]; None: plain causal)."""
 
-    q_idx: Tensor
-    k_idx: Tensor
-    valid: Tensor
+    size: int
+    q_len: int
+    k_len: int
     mask: Tensor | None
 
 
@@ -76,11 +76,17 @@ class _Group:
 class VarlenPlan:
     """Index tensors of a pack's attention, on the q/k/v device: made once per micro-batch
     from ``cu_seqlens`` (one host read) and reused by every layer, so the layers themselves
-    neither read device values on the host nor send small tensors to the device."""
+    neither read device values on the host nor send small tensors to the device.
+
+    Every group's slots are gathered by one index per tensor (``q_index``, ``k_index``: the
+    groups' padded slots back to back) and the tokens' outputs picked by one (``out_index``),
+    so a layer's backward scatters each of q, k, v and the output once, not once per group."""
 
     total: int
     groups: tuple[_Group, ...]
-    order: Tensor  # row i of the concatenated group outputs is token order[i]'s
+    q_index: Tensor    # [sum g * Lq] the token of each query slot (padding: a member's first)
+    k_index: Tensor    # [sum g * Lk] the token of each key slot
+    out_index: Tensor  # [total] the query slot holding token i
 
 
 def varlen_plan(cu_seqlens: Tensor | list[int], num_heads: int, device: torch.device,
@@ -93,40 +99,46 @@ def varlen_plan(cu_seqlens: Tensor | list[int], num_heads: int, device: torch.de
     starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]
     parents = parents or [-1] * len(lengths)
     context = [lengths[p] if p >= 0 else 0 for p in parents]
-    groups, where = [], []
+    groups, q_slots, k_slots, valid = [], [], [], []
     plain, branches = ([i for i, c in enumerate(context) if bool(c) == b] for b in (False, True))
     for kind in (plain, branches):
         spans = [lengths[i] + context[i] for i in kind]
         for group in length_groups(spans, num_heads):
             members = [kind[g] for g in group]
-            groups.append(_group_indices([starts[i] for i in members],
-                                         [lengths[i] for i in members],
-                                         [starts[parents[i]] for i in members],
-                                         [context[i] for i in members], device))
-            where.append(groups[-1].q_idx[groups[-1].valid])
+            group, q_idx, k_idx, real = _group_indices(
+                [starts[i] for i in members], [lengths[i] for i in members],
+                [starts[parents[i]] for i in members], [context[i] for i in members])
+            groups.append(group)
+            q_slots.append(q_idx.flatten())
+            k_slots.append(k_idx.flatten())
+            valid.append(real.flatten())
+    q_index, real = torch.cat(q_slots), torch.cat(valid)
     total = bounds[-1]
-    order = torch.empty(total, dtype=torch.long, device=device)
-    order[torch.cat(where)] = torch.arange(total, device=device)
-    return VarlenPlan(total, tuple(groups), order)
+    out_index = torch.empty(total, dtype=torch.long)
+    out_index[q_index[real]] = torch.arange(len(q_index))[real]
+    return VarlenPlan(total, tuple(g if g.mask is None else
+                                   _Group(g.size, g.q_len, g.k_len, g.mask.to(device))
+                                   for g in groups),
+                      q_index.to(device), torch.cat(k_slots).to(device), out_index.to(device))
 
 
 def _group_indices(first: list[int], lengths: list[int], context_first: list[int],
-                   context: list[int], device: torch.device) -> _Group:
-    """A group's indices: member m's keys are its context (``context[m]`` tokens from
+                   context: list[int]) -> tuple[_Group, Tensor, Tensor, Tensor]:
+    """A group and its members' query and key slots ([g, Lq], [g, Lk]) and which query slots
+    are real ([g, Lq]): member m's keys are its context (``context[m]`` tokens from
     ``context_first[m]``), then its own tokens; its padding repeats its first token."""
-    lens, ctx = (torch.tensor(x, device=device) for x in (lengths, context))
-    first_t, ctx_first = (torch.tensor(x, device=device) for x in (first, context_first))
-    steps = torch.arange(max(lengths), device=device)
+    lens, ctx, first_t, ctx_first = map(torch.tensor, (lengths, context, first, context_first))
+    steps = torch.arange(max(lengths))
     valid = steps[None, :] < lens[:, None]                                   # [g, Lq]
     q_idx = torch.where(valid, first_t[:, None] + steps[None, :], first_t[:, None])
-    k_steps = torch.arange(max(a + b for a, b in zip(lengths, context)), device=device)[None, :]
+    k_steps = torch.arange(max(a + b for a, b in zip(lengths, context)))[None, :]
     own = first_t[:, None] + k_steps - ctx[:, None]
     k_idx = torch.where(k_steps < ctx[:, None], ctx_first[:, None] + k_steps, own)
     k_idx = torch.where(k_steps < (ctx + lens)[:, None], k_idx, first_t[:, None])
     # query t of member m sees its context and its own tokens up to t
     mask = k_steps[:, None, :] <= ctx[:, None, None] + steps[None, :, None] if any(context) \
         else None
-    return _Group(q_idx, k_idx, valid, mask)
+    return _Group(len(lengths), q_idx.shape[1], k_idx.shape[1], mask), q_idx, k_idx, valid
 
 
 def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, *,
@@ -147,18 +159,44 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
         raise ValueError(f"cu_seqlens must run from 0 to the pack length {total}; got "
                          f"0..{plan.total}")
     gqa = query.shape[1] != key.shape[1]
+    # a token's only query slot with a gradient is its real one: padding slots pass none
+    qs = _Rows.apply(query, plan.q_index, plan.out_index).split(
+        [g.size * g.q_len for g in plan.groups])
+    ks, vs = (_Rows.apply(x, plan.k_index, None).split(
+        [g.size * g.k_len for g in plan.groups]) for x in (key, value))
     outs = []
-    for g in plan.groups:
-        q = query[g.q_idx].transpose(1, 2)                                   # [g, heads, Lq, d]
-        k, v = (x[g.k_idx].transpose(1, 2) for x in (key, value))
+    for g, q, k, v in zip(plan.groups, qs, ks, vs):
+        q = q.view(g.size, g.q_len, *q.shape[1:]).transpose(1, 2)           # [g, heads, Lq, d]
+        k, v = (x.view(g.size, g.k_len, *x.shape[1:]).transpose(1, 2) for x in (k, v))
         # no mask: the causal kernel; a member's padding follows its last token, so a real
         # query (before it) never sees a padding key; padding queries are dropped below, and
         # with zero probability and zero output gradient they pass no gradient either
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=None if g.mask is None else g.mask[:, None],
             dropout_p=dropout_p, is_causal=g.mask is None, scale=scale, enable_gqa=gqa)
-        outs.append(o.transpose(1, 2)[g.valid])
-    return torch.cat(outs)[plan.order]
+        outs.append(o.transpose(1, 2).flatten(0, 1))
+    return _Rows.apply(torch.cat(outs), plan.out_index, None)
+
+
+class _Rows(torch.autograd.Function):
+    """``x[index]`` along dim 0, whose backward adds the rows' gradients with ``index_add_``
+    (autograd's indexing backward accumulates element by element, several times slower on
+    CPU); with ``owner`` (x's row i takes its gradient from row ``owner[i]`` alone: every
+    other copy's gradient is zero), it picks them with no accumulation at all."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, owner: Tensor | None) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(index, owner)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
+        index, owner = ctx.saved_tensors
+        if owner is not None:
+            return grad.index_select(0, owner), None, None
+        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        return out.index_add_(0, index, grad), None, None
 
 
 @dataclass
@@ -197,7 +235,7 @@ def _cached_plan(params: PackedSeqParams, num_heads: int, device: torch.device) 
     """The pack's :class:`VarlenPlan`, made by the first layer and kept on ``params`` (one
     object per micro-batch, shared by every layer of the forward and of a recompute)."""
     plan = getattr(params, "klear_varlen_plan", None)
-    if plan is None or plan.order.device != device:
+    if plan is None or plan.out_index.device != device:
         parents = getattr(params, "parent_segment", None)
         plan = varlen_plan(params.cu_seqlens_q, num_heads, device,
                            None if parents is None else parents.tolist())
