@@ -99,6 +99,37 @@ def test_hard_timeout_kills_and_replaces_worker():
         pool.close()
 
 
+def test_batched_scores_keep_each_deadline_and_go_on_after_an_overrun():
+    """score_many sends a worker its whole run at once: a response that overruns its own
+    deadline (sympy on a tower of powers runs into math-verify's 3 s inner timeout) scores
+    0.0, its worker is replaced, and the responses after it are still verified, in order."""
+    pool = MathVerifierPool(max_workers=1)
+    slow = "\\boxed{9^{9^{9^{9}}}}"
+    items = [("\\boxed{5.0}", "5"), (slow, "5"), ("\\boxed{6.0}", "6"), ("\\boxed{7.5}", "7"),
+             (None, "1"), ("\\boxed{8}", "8")]
+    ticks = []
+    try:
+        start = time.monotonic()
+        scores = pool.score_many(items, timeout_s=1.0, done=ticks.append)
+        elapsed = time.monotonic() - start
+    finally:
+        pool.close()
+    assert scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert elapsed < 2.5, elapsed  # the slow one was cut at 1 s, not left to run 3 s
+    assert sum(ticks) == len(items)
+
+
+def test_a_run_larger_than_a_pipe_is_written_whole():
+    """A worker's run of long responses (more than a pipe holds) is written from a thread
+    while the worker reads it; every response comes back scored, in order."""
+    pool = MathVerifierPool(max_workers=2)
+    items = [("x " * 2000 + f"\\boxed{{{n}.0}}", str(n + n % 2)) for n in range(40)]
+    try:
+        assert pool.score_many(items) == [float(n % 2 == 0) for n in range(40)]
+    finally:
+        pool.close()
+
+
 def test_works_from_worker_threads():
     """math-verify's SIGALRM timeouts fail outside the main thread; ours must not."""
     out = []

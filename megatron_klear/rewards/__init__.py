@@ -64,7 +64,9 @@ def score_batch(name: str, responses: list[str], labels: list[Any], *,
                 num_workers: int | None = None, progress: str | None = None) -> list[float]:
     """Scores of ``responses`` against ``labels`` in order, in parallel with at most
     ``num_workers`` concurrent evaluations (default: one per core). Code runs through the
-    sandbox pool and math through the timed verifier processes, both bounded the same way.
+    sandbox pool and math through the timed verifier processes, both bounded the same way;
+    a reward function with a ``score_many(responses, labels, workers, done)`` attribute (the
+    math reward's) scores the whole batch itself.
     ``progress``: show a tqdm bar with this description."""
     if len(responses) != len(labels):
         raise ValueError(f"score_batch: {len(responses)} responses but {len(labels)} labels")
@@ -72,10 +74,23 @@ def score_batch(name: str, responses: list[str], labels: list[Any], *,
     from megatron_klear.rewards.sandbox import default_workers
 
     workers = num_workers or default_workers()
-    with ThreadPoolExecutor(workers, thread_name_prefix=f"reward-{name}") as ex:
-        scores = ex.map(lambda rl: _safe(fn, *rl), zip(responses, labels))
-        if progress:
-            from tqdm import tqdm
+    bar = None
+    if progress:
+        from tqdm import tqdm
 
-            scores = tqdm(scores, total=len(responses), desc=progress, unit="response")
-        return list(scores)
+        bar = tqdm(total=len(responses), desc=progress, unit="response")
+    try:
+        many = getattr(fn, "score_many", None)  # a reward that batches its own work
+        if many is not None:
+            return [float(s) for s in many(list(responses), list(labels), workers,
+                                           bar.update if bar else None)]
+        with ThreadPoolExecutor(workers, thread_name_prefix=f"reward-{name}") as ex:
+            scores = []
+            for score in ex.map(lambda rl: _safe(fn, *rl), zip(responses, labels)):
+                scores.append(score)
+                if bar:
+                    bar.update(1)
+            return scores
+    finally:
+        if bar:
+            bar.close()

@@ -13,6 +13,7 @@ overruns. Any failure scores 0.0; nothing here raises on garbage responses.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -22,7 +23,8 @@ import resource
 import subprocess
 import sys
 import threading
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from megatron_klear.heap import freeze_startup_heap
 from megatron_klear.rewards.text import final_section, last_boxed
@@ -33,6 +35,7 @@ KLEAR_TIMEOUT_S = 5  # the same in Klear's check (math_dapo.py)
 MAX_TAIL_CHARS = 4000  # without a box, only the end of the response can hold the answer
 WORKER_MEMORY_MB = 4096
 _SCI = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
+PIPE_BYTES = 65536  # Linux's pipe capacity: a write that fits an empty pipe returns at once
 _ARITH = re.compile(r"[\d\s.+\-*/()]+")
 _INTEGER = re.compile(r"[+-]?\d{1,64}")  # longer: math-verify (int() caps digits)
 
@@ -177,14 +180,26 @@ class _Worker:
             self.lines.put(line)
         self.lines.put("")  # EOF: the worker died
 
-    def score(self, response: str, answer: Any, timeout_s: float, mode: str = "binary"
-              ) -> float | None:
-        """The score, or None when the worker overran or died (it is then unusable)."""
+    def send(self, jobs: list[tuple[str, Any]], mode: str) -> None:
+        """Queue ``jobs`` (response, answer) on the worker: one write, from a thread, so a
+        worker stuck on a job (its stdin full) cannot block the caller's deadlines."""
+        text = "".join(json.dumps([response, answer, mode]) + "\n" for response, answer in jobs)
+
+        def write() -> None:
+            with contextlib.suppress(OSError, ValueError):  # killed meanwhile
+                self.proc.stdin.write(text)
+                self.proc.stdin.flush()
+        if 4 * len(text) <= PIPE_BYTES:  # at most 4 UTF-8 bytes a character
+            write()
+        else:
+            threading.Thread(target=write, daemon=True).start()
+
+    def result(self, timeout_s: float) -> float | None:
+        """The next job's score, or None when the worker overran or died (it is then
+        unusable)."""
         try:
-            self.proc.stdin.write(json.dumps([response, answer, mode]) + "\n")
-            self.proc.stdin.flush()
             line = self.lines.get(timeout=timeout_s)
-        except (OSError, queue.Empty):
+        except queue.Empty:
             return None
         return float(line) if line else None
 
@@ -206,29 +221,69 @@ class MathVerifierPool:
         """math_reward (``mode="binary"``; ``"klear"``: :func:`verify_klear` on a list of
         reference strings) through a worker with a hard deadline; ``failed`` on any
         failure."""
-        if mode == "binary":
-            try:
-                gold = gold_text(answer)
-            except TypeError:
-                return failed
-        else:
-            gold = answer
+        return self.score_many([(response, answer)], timeout_s, mode=mode, failed=failed)[0]
+
+    def score_many(self, items: list[tuple[Any, Any]], timeout_s: float = DEFAULT_TIMEOUT_S,
+                   *, mode: str = "binary", failed: float = 0.0, workers: int | None = None,
+                   done: Callable[[int], None] | None = None) -> list[float]:
+        """:meth:`score` of each (response, answer) in order. The ones a verifier must decide
+        go to at most ``workers`` (default ``max_workers``) workers as one run each, written
+        at once, so a worker verifies back to back instead of waiting a round trip per
+        response; each keeps its own ``timeout_s``. ``done(k)``: k more are scored."""
+        scores: list[float | None] = [self._plain(r, a, mode, failed) for r, a in items]
+        jobs = [(i, r, gold_text(a) if mode == "binary" else a)
+                for i, ((r, a), v) in enumerate(zip(items, scores)) if v is None]
+        if done is not None and len(jobs) < len(items):
+            done(len(items) - len(jobs))
+        parts = min(workers or self.max_workers, self.max_workers, len(jobs))
+        runs = [jobs[k * len(jobs) // parts:(k + 1) * len(jobs) // parts] for k in range(parts)]
+
+        def score_run(run: list[tuple[int, str, Any]]) -> None:
+            for (i, _, _), score in zip(run, self._run([(r, g) for _, r, g in run], timeout_s,
+                                                       mode, failed, done)):
+                scores[i] = score
+        if len(runs) == 1:
+            score_run(runs[0])
+        elif runs:
+            with ThreadPoolExecutor(len(runs), thread_name_prefix="math-verify") as ex:
+                list(ex.map(score_run, runs))
+        return scores
+
+    @staticmethod
+    def _plain(response: Any, answer: Any, mode: str, failed: float) -> float | None:
+        """The score where no verifier is needed (bad input, :func:`plain_verdict`)."""
         if not isinstance(response, str):
             return failed
-        verdict = plain_verdict(response, gold) if mode == "binary" else None
-        if verdict is not None:
-            return verdict
+        if mode != "binary":
+            return None
+        try:
+            return plain_verdict(response, gold_text(answer))
+        except TypeError:
+            return failed
+
+    def _run(self, jobs: list[tuple[str, Any]], timeout_s: float, mode: str, failed: float,
+             done: Callable[[int], None] | None) -> list[float]:
+        """``jobs`` through one worker in order: a job that overruns ``timeout_s`` (or kills
+        the worker) scores ``failed``, and a fresh worker takes the rest."""
+        out: list[float] = []
         with self._slots:
             try:
                 worker = self._idle.get_nowait()
             except queue.Empty:
                 worker = _Worker()
-            result = worker.score(response, gold, timeout_s, mode)
-            if result is None:
-                worker.kill()
-                return failed
+            while len(out) < len(jobs):
+                worker.send(jobs[len(out):], mode)
+                for _ in range(len(out), len(jobs)):
+                    result = worker.result(timeout_s)
+                    out.append(failed if result is None else result)
+                    if done is not None:
+                        done(1)
+                    if result is None:
+                        worker.kill()
+                        worker = _Worker()
+                        break
             self._idle.put(worker)
-            return result
+        return out
 
     def close(self) -> None:
         """Stop all idle workers."""
@@ -254,6 +309,16 @@ def math_reward(response: str, answer: str, *, timeout_s: float = DEFAULT_TIMEOU
 
     Safe from any thread; never hangs longer than ``timeout_s`` and never raises."""
     return shared_verifier().score(response, answer, timeout_s)
+
+
+def _math_reward_many(responses: list[str], answers: list[Any], workers: int | None = None,
+                      done: Callable[[int], None] | None = None) -> list[float]:
+    """:func:`math_reward` of each pair, batched per worker (``score_batch`` uses it)."""
+    return shared_verifier().score_many(list(zip(responses, answers)), workers=workers,
+                                        done=done)
+
+
+math_reward.score_many = _math_reward_many
 
 
 if __name__ == "__main__":
