@@ -107,6 +107,41 @@ def test_varlen_attention_matches_dense_block_diagonal_reference(max_scores, sha
         assert va.length_groups(lens, heads) == [[2, 5], [0, 4], [3], [6], [1]]
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_pack_rotation_is_megatrons_bit_for_bit(interleaved):
+    """VarlenCoreAttention rotates a shared-prompt pack with cosines and sines made once per
+    pack; the result equals megatron's unfused apply_rotary_pos_emb at the same positions (the
+    branches continuing their prompt's), bit for bit, and so do the gradients."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from megatron_klear.models import varlen_attention as va
+
+    table = torch.rand(64, 1, 1, 16, generator=torch.Generator().manual_seed(1)) * 20  # angles
+    config = SimpleNamespace(rotary_interleaved=interleaved, multi_latent_attention=False,
+                             apply_rope_fusion=False)
+    lens, parents = [5, 3, 4, 6, 2], [-1, 0, 0, -1, 3]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    params = va.SharedPrefixParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                   parent_segment=torch.tensor(parents))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lens), 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(sum(lens), 2, 16, generator=g, requires_grad=True)
+    me = SimpleNamespace(position_emb=lambda n: table[:n], config=config)
+    ours = va.VarlenCoreAttention._rotate(me, q, k, params)
+    again = va.VarlenCoreAttention._rotate(me, q, k, params)  # the kept cos/sin
+    freqs = table[va.pack_positions(cu.tolist(), parents)]
+    theirs = [apply_rotary_pos_emb(t.unsqueeze(1), freqs, config, cp_group=object()).squeeze(1)
+              for t in (q, k)]
+    w = [torch.randn(t.shape, generator=g) for t in theirs]
+    for a, b, c, wt in zip(ours, again, theirs, w):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    grads = torch.autograd.grad(sum((a * wt).sum() for a, wt in zip(ours, w)), (q, k))
+    want = torch.autograd.grad(sum((c * wt).sum() for c, wt in zip(theirs, w)), (q, k))
+    assert all(torch.equal(a, b) for a, b in zip(grads, want))
+
+
 def _packed_vs_unpacked(rank, world, hf_dir):
     """Per-sequence log-probs and parameter grads of one pack vs one sequence per micro-batch
     (megatron's own causal DotProductAttention), at TP=2 and then PP=2 (variable lengths)."""

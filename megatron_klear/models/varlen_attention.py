@@ -27,7 +27,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -243,6 +242,15 @@ def _cached_plan(params: PackedSeqParams, num_heads: int, device: torch.device) 
     return plan
 
 
+def _rotate_half(x: Tensor, interleaved: bool) -> Tensor:
+    """RoPE's rotation of the pairs of ``x`` (megatron's rope_utils ``_rotate_half``): the
+    halves (-x2, x1), or with ``interleaved`` the even/odd elements."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
 class VarlenCoreAttention(DotProductAttention):
     """megatron's DotProductAttention plus THD packs (attention within each sequence, RoPE per
     token) and prompt sharing (:class:`SharedPrefixParams`)."""
@@ -276,17 +284,23 @@ class VarlenCoreAttention(DotProductAttention):
 
     def _rotate(self, query: Tensor, key: Tensor, params: PackedSeqParams
                 ) -> tuple[Tensor, Tensor]:
-        """Queries and keys rotated at :func:`pack_positions` (the angles [T, 1, 1, d] are made
-        by the first layer and kept on ``params``)."""
-        emb = getattr(params, "klear_rotation", None)
-        if emb is None:
+        """Queries and keys rotated at :func:`pack_positions`, as megatron's unfused
+        ``apply_rotary_pos_emb`` rotates (full head width, mscale 1: the same ops, the same
+        bits), except that the cosines and sines of the angles are made once per pack, by the
+        first layer, and kept on ``params`` ([T, 1, d] each), not once per layer and tensor."""
+        rotation = getattr(params, "klear_rotation", None)
+        if rotation is None:
             parents = getattr(params, "parent_segment", None)
             positions = pack_positions(params.cu_seqlens_q.tolist(),
                                        None if parents is None else parents.tolist())
             table = self.position_emb(int(positions.max()) + 1)
-            emb = params.klear_rotation = table[positions.to(table.device)]
+            angles = table[positions.to(table.device)].squeeze(1)
+            rotation = params.klear_rotation = tuple(
+                f(angles).to(query.dtype) for f in (torch.cos, torch.sin))
+        cos, sin = rotation
+        interleaved = self.config.rotary_interleaved
 
         def rotate(t: Tensor) -> Tensor:
-            return apply_rotary_pos_emb(t.unsqueeze(1), emb, self.config).squeeze(1)
+            return t * cos + _rotate_half(t, interleaved) * sin
 
         return rotate(query), rotate(key)
