@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "cpu/decode_attention_cpu.h"
 #include "cpu/vocab_logprobs_cpu.h"
 #include "op_checks.h"
 
@@ -79,6 +80,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cpu(
   return {loss, dlogp, ratio};
 }
 
+// q [rows, heads, dim]; the cache's k_t [rows, kv_heads, dim, capacity] (keys transposed), v
+// [rows, kv_heads, capacity, dim] and additive mask bias [rows, capacity], of which the first
+// `keys` positions are attended: fp32 CPU tensors, unit stride in the last dimension.
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& v,
+                                const at::Tensor& bias, int64_t keys, double scale) {
+  for (const at::Tensor* t : {&q, &k_t, &v, &bias}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
+                "decode_attention: fp32 CPU tensors only, got ", t->scalar_type(), " on ",
+                t->device());
+    TORCH_CHECK(t->dim() > 0 && t->stride(-1) == 1,
+                "decode_attention: unit stride in the last dimension");
+  }
+  TORCH_CHECK(q.dim() == 3 && k_t.dim() == 4 && v.dim() == 4 && bias.dim() == 2,
+              "decode_attention: q [rows, heads, dim], k_t [rows, kv_heads, dim, capacity], "
+              "v [rows, kv_heads, capacity, dim], bias [rows, capacity]");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv = k_t.size(1), capacity = k_t.size(3);
+  TORCH_CHECK(k_t.size(0) == rows && k_t.size(2) == dim && k_t.stride(2) == capacity &&
+                  v.size(0) == rows && v.size(1) == kv && v.size(2) == capacity &&
+                  v.size(3) == dim && bias.size(0) == rows && bias.size(1) == capacity &&
+                  kv > 0 && heads % kv == 0 && keys > 0 && keys <= capacity,
+              "decode_attention: shapes q ", q.sizes(), " k_t ", k_t.sizes(), " v ", v.sizes(),
+              " bias ", bias.sizes(), " keys ", keys, " do not match");
+  auto out = at::empty({rows, heads * dim}, q.options());
+  const klear::cpu::DecodeLayout layout{rows, heads, kv, keys, dim,
+                                        q.stride(0), q.stride(1),
+                                        k_t.stride(0), k_t.stride(1), k_t.stride(2),
+                                        v.stride(0), v.stride(1), v.stride(2),
+                                        bias.stride(0)};
+  klear::cpu::decode_attention(q.const_data_ptr<float>(), k_t.const_data_ptr<float>(),
+                               v.const_data_ptr<float>(), bias.const_data_ptr<float>(), layout,
+                               static_cast<float>(scale), out.mutable_data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(klear, m) {
@@ -90,6 +126,8 @@ TORCH_LIBRARY(klear, m) {
   m.def("token_policy_loss(Tensor logp, Tensor old_logp, Tensor adv, Tensor? entropy, "
         "Tensor? old_entropy, int loss_type, float eps_low, float eps_high, float beta1, "
         "float beta2, float dual_clip, float erc_low, float erc_high) -> (Tensor, Tensor, Tensor)");
+  m.def("decode_attention(Tensor q, Tensor k_t, Tensor v, Tensor bias, int keys, float scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(klear, CPU, m) {
@@ -97,6 +135,7 @@ TORCH_LIBRARY_IMPL(klear, CPU, m) {
   m.impl("logprob_backward", &klear::backward_out_of_place<&backward_cpu>);
   m.impl("logprob_backward_", &klear::backward_inplace<&backward_cpu>);
   m.impl("token_policy_loss", &token_loss_cpu);
+  m.impl("decode_attention", &decode_attention_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -14,7 +14,7 @@ from megatron_klear.models.tiny import save_tiny_hf_model
 from megatron_klear.rollout.qwen3_decode import KVCache, check_supported, forward
 
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2], [8, 8, 19, 60, 11]]
-DECODE_STEPS = 6
+DECODE_STEPS = 12
 
 
 def _load(path):
@@ -41,7 +41,7 @@ def test_prefill_and_decode_match_transformers(model):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     valid = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     positions = (valid.cumsum(-1) - 1).clamp(min=0)
-    cache = KVCache(model.config, valid, torch.float32, capacity=width + 1)  # grows at step 2
+    cache = KVCache(model.config, valid, torch.float32, capacity=width + 1)  # one 16-block
     logits = forward(model, ids, positions, cache, all_logits=True)
     for row, p in enumerate(PROMPTS):
         torch.testing.assert_close(logits[row, width - len(p):], _reference_logits(model, p),
@@ -58,7 +58,7 @@ def test_prefill_and_decode_match_transformers(model):
             torch.testing.assert_close(last[row], _reference_logits(model, s)[-1],
                                        rtol=0, atol=1e-5)
     assert cache.length == width + DECODE_STEPS
-    assert cache.k[0].shape[2] > width + 1  # it did grow
+    assert cache.capacity > 16  # it did grow
 
 
 def test_select_keeps_each_row_its_own_cache(model):

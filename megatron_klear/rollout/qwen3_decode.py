@@ -10,13 +10,23 @@ thing from the same modules and weights -- projections, rotary embedding and
 (``eager_attention_forward``), so its logits are transformers' to fp32 rounding
 (tests/test_rollout_server.py compares them). Full attention only, as Qwen3 and Qwen3-MoE
 use; a config with sliding-window layers is refused by :func:`check_supported`.
+
+A decode step (one new token per row) of an fp32 model on the CPU attends through the
+extension's ``klear::decode_attention`` (csrc/cpu/decode_attention_cpu.h; the same math in
+one pass per row and KV head, where torch spends a decode step's attention on per-matrix and
+per-op overhead), which is why the cache keeps its keys transposed.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["KVCache", "check_supported", "forward", "grouped_attention"]
+
+# the decode kernel reads positions in blocks of this many (cache capacities are multiples)
+DECODE_BLOCK = 16
 
 
 def check_supported(config) -> None:
@@ -29,15 +39,16 @@ def check_supported(config) -> None:
                          "SGLang (--rollout-urls)")
 
 
-def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def grouped_attention(query: torch.Tensor, key_t: torch.Tensor, value: torch.Tensor,
                       bias: torch.Tensor, scaling: float) -> torch.Tensor:
     """transformers' eager attention (fp32 softmax, additive mask ``bias`` [b, 1, t, s]) for
     grouped-query attention without ``repeat_kv``: the query heads of one KV head are stacked
-    along the query axis, so the cache is read in place. Returns [b, t, h * d]."""
+    along the query axis, so the cache is read in place (``key_t``: the keys transposed,
+    [b, kv, d, s]). Returns [b, t, h * d]."""
     b, h, t, d = query.shape
-    kv = key.shape[1]
+    kv = key_t.shape[1]
     q = query.reshape(b, kv, (h // kv) * t, d)
-    weights = torch.matmul(q, key.transpose(2, 3)) * scaling
+    weights = torch.matmul(q, key_t) * scaling
     s = weights.shape[-1]
     weights = (weights.view(b, kv, h // kv, t, s) + bias[:, :, None]).view(b, kv, -1, s)
     weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -45,11 +56,22 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
+@functools.cache
+def _decode_kernel():
+    """``torch.ops.klear.decode_attention`` where the extension is built, else None."""
+    try:
+        from megatron_klear import _C  # noqa: F401 - registers torch.ops.klear
+    except ImportError:
+        return None
+    return getattr(torch.ops.klear, "decode_attention", None)
+
+
 class KVCache:
-    """Keys and values of every layer in buffers with spare capacity ([b, kv, capacity, d];
-    doubled when full), plus each row's additive padding mask over those positions. A step
-    writes its positions in place: no per-step concatenation of the whole cache. The buffers
-    live on ``valid``'s device (the model's)."""
+    """Keys and values of every layer in buffers with spare capacity (keys transposed,
+    [b, kv, d, capacity], values [b, kv, capacity, d]; doubled when full, in whole
+    DECODE_BLOCKs), plus each row's additive padding mask over those positions. A step writes
+    its positions in place: no per-step concatenation of the whole cache. The buffers live on
+    ``valid``'s device (the model's)."""
 
     def __init__(self, config, valid: torch.Tensor, dtype: torch.dtype, capacity: int) -> None:
         self.device = valid.device
@@ -65,14 +87,21 @@ class KVCache:
         self._resize(max(capacity, valid.shape[1]))
         self.bias[:, :valid.shape[1]] = torch.where(valid.bool(), 0.0, self.min)
 
+    @property
+    def capacity(self) -> int:
+        """Positions the buffers hold before they grow."""
+        return self.bias.shape[1]
+
     def _resize(self, capacity: int) -> None:
         b, held = self.bias.shape[0], self.length
-        shape = (b, self.kv_heads, capacity, self.head_dim)
-        new_k = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                 for _ in range(self.layers)]
-        new_v = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                 for _ in range(self.layers)]
-        for old, new in zip(self.k + self.v, new_k + new_v):
+        capacity = -(-capacity // DECODE_BLOCK) * DECODE_BLOCK
+        new_k, new_v = ([torch.empty(shape, dtype=self.dtype, device=self.device)
+                         for _ in range(self.layers)]
+                        for shape in ((b, self.kv_heads, self.head_dim, capacity),
+                                      (b, self.kv_heads, capacity, self.head_dim)))
+        for old, new in zip(self.k, new_k):
+            new[..., :held] = old[..., :held]
+        for old, new in zip(self.v, new_v):
             new[:, :, :held] = old[:, :, :held]
         # later positions: generated, valid
         bias = torch.zeros(b, capacity, dtype=self.dtype, device=self.device)
@@ -85,11 +114,27 @@ class KVCache:
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values at ``length``; the filled part of the layer's cache."""
+        """Write this step's keys/values ([b, kv, t, d]) at ``length``; the filled part of the
+        layer's cache (keys transposed, [b, kv, d, length + t])."""
         end = self.length + key.shape[2]
-        self.k[layer][:, :, self.length:end] = key
+        self.k[layer][..., self.length:end] = key.transpose(2, 3)
         self.v[layer][:, :, self.length:end] = value
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return self.k[layer][..., :end], self.v[layer][:, :, :end]
+
+    def attend(self, layer: int, query: torch.Tensor, mask: torch.Tensor, scaling: float
+               ) -> torch.Tensor:
+        """``query`` [b, h, t, d] against the layer's filled cache (after :meth:`append`):
+        [b, t, h * d]. A one-token step of an fp32 CPU cache runs the decode kernel."""
+        b, h, t, d = query.shape
+        end = self.length + t
+        kernel = _decode_kernel() if t == 1 and self.dtype == torch.float32 and \
+            self.device.type == "cpu" else None
+        if kernel is None:
+            return grouped_attention(query, self.k[layer][..., :end],
+                                     self.v[layer][:, :, :end], mask, scaling)
+        out = kernel(query.reshape(b, h, d), self.k[layer], self.v[layer], self.bias, end,
+                     scaling)
+        return out.view(b, 1, h * d)
 
     def mask(self, steps: int) -> torch.Tensor:
         """The additive mask [b, 1, steps, length + steps]: padding, and causal within the
@@ -137,8 +182,8 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
         k = _norm(attn.k_norm, attn.k_proj(x).view(shape)).transpose(1, 2)
         v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k, v = cache.append(i, k, v)
-        hidden = hidden + attn.o_proj(grouped_attention(q, k, v, mask, attn.scaling))
+        cache.append(i, k, v)
+        hidden = hidden + attn.o_proj(cache.attend(i, q, mask, attn.scaling))
         hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
     cache.length += t
     hidden = _norm(inner.norm, hidden if all_logits else hidden[:, -1:])

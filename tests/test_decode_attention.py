@@ -1,0 +1,119 @@
+"""The embedded server's decode attention kernel (``klear::decode_attention``,
+csrc/cpu/decode_attention_cpu.h) against the torch reference it replaces
+(``qwen3_decode.grouped_attention``: transformers' eager attention), on every CPU kernel copy.
+
+Cases cover grouped-query ratios 1, 2 and 4, head widths on and off the kernel's 16-float
+blocks, key counts with and without a partial last block, capacities that are and are not
+whole blocks (the kernel may read whole blocks only inside the capacity), padded rows, and a
+cache after ``select`` and growth, as the server uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_klear.rollout.qwen3_decode import grouped_attention
+
+ROOT = Path(__file__).resolve().parent.parent
+# (rows, heads, kv_heads, dim, capacity, keys)
+CASES = [(5, 4, 2, 32, 48, 48), (3, 4, 2, 32, 48, 17), (4, 2, 2, 16, 20, 19),
+         (2, 8, 2, 48, 33, 30), (6, 4, 1, 64, 64, 1), (3, 6, 3, 8, 7, 7)]
+
+
+def _kernel():
+    from megatron_klear import _C  # noqa: F401 - registers torch.ops.klear
+
+    return torch.ops.klear.decode_attention
+
+
+def check_cases() -> None:
+    kernel = _kernel()
+    g = torch.Generator().manual_seed(0)
+    for rows, heads, kv, dim, capacity, keys in CASES:
+        q = torch.randn(rows, heads, dim, generator=g)
+        k_t = torch.randn(rows, kv, dim, capacity, generator=g)
+        v = torch.randn(rows, kv, capacity, dim, generator=g)
+        bias = torch.zeros(rows, capacity)
+        bias[0, :keys // 2] = torch.finfo(torch.float32).min  # a left-padded row
+        want = grouped_attention(q[:, :, None], k_t[..., :keys], v[:, :, :keys],
+                                 bias[:, None, None, :keys], dim ** -0.5)[:, 0]
+        got = kernel(q, k_t, v, bias, keys, dim ** -0.5)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6,
+                                   msg=lambda m: f"case {rows, heads, kv, dim, capacity, keys}: {m}")
+
+
+def test_kernel_matches_the_torch_attention():
+    check_cases()
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    kernel = _kernel()
+    q, k_t = torch.randn(2, 4, 8), torch.randn(2, 2, 8, 10)
+    v, bias = torch.randn(2, 2, 10, 8), torch.zeros(2, 10)
+    with pytest.raises(RuntimeError, match="keys 11 do not match"):
+        kernel(q, k_t, v, bias, 11, 1.0)  # more positions than the cache holds
+    with pytest.raises(RuntimeError, match="fp32 CPU tensors only"):
+        kernel(q.double(), k_t, v, bias, 4, 1.0)
+    with pytest.raises(RuntimeError, match="unit stride"):
+        kernel(q, k_t.transpose(2, 3).contiguous().transpose(2, 3), v, bias, 4, 1.0)
+    with pytest.raises(RuntimeError, match="do not match"):  # key rows not capacity apart
+        kernel(q, torch.randn(2, 2, 8, 12)[..., :10], v, bias, 4, 1.0)
+
+
+def test_server_cache_decodes_through_the_kernel():
+    """A KVCache of an fp32 CPU model attends one-token steps with the kernel, after select and
+    growth, as the torch path does (the same cache through both)."""
+    from types import SimpleNamespace
+
+    from megatron_klear.rollout import qwen3_decode
+
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2,
+                             num_attention_heads=4, hidden_size=64, head_dim=16)
+    g = torch.Generator().manual_seed(1)
+    valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    cache = qwen3_decode.KVCache(config, valid, torch.float32, capacity=6)
+    cache.append(0, torch.randn(2, 2, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g))
+    cache.length = 5
+    cache.select(torch.tensor([0, 1, 1]))
+    for step in range(20):  # grows past its first 16-position block
+        cache.reserve(cache.length + 1)
+        cache.append(0, torch.randn(3, 2, 1, 16, generator=g),
+                     torch.randn(3, 2, 1, 16, generator=g))
+        q = torch.randn(3, 4, 1, 16, generator=g)
+        got = cache.attend(0, q, cache.mask(1), 0.25)
+        want = grouped_attention(q, cache.k[0][..., :cache.length + 1],
+                                 cache.v[0][:, :, :cache.length + 1], cache.mask(1), 0.25)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+        cache.length += 1
+    assert cache.capacity > 16 and cache.capacity % qwen3_decode.DECODE_BLOCK == 0
+
+
+# One process per CPU kernel copy: KLEAR_CPU_ISA caps the copy chosen at run time (read once).
+COPY_CHECK = """
+import torch  # noqa: F401 - loads the libraries the extension links
+from megatron_klear import _C
+from tests.test_decode_attention import check_cases
+print(_C.cpu_isa(), flush=True)
+check_cases()
+"""
+
+
+def test_every_cpu_kernel_copy_matches():
+    from megatron_klear import _C
+
+    names = _C.cpu_isa_names[:_C.cpu_isa_names.index(_C.cpu_isa())]
+    procs = {name: subprocess.Popen([sys.executable, "-c", COPY_CHECK], cwd=ROOT, text=True,
+                                    env={**os.environ, "KLEAR_CPU_ISA": name,
+                                         "OMP_NUM_THREADS": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name in names}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"KLEAR_CPU_ISA={name}: {err[-3000:]}"
+        assert out.split()[0] == name, f"KLEAR_CPU_ISA={name} ran the {out.split()[0]} copy"
