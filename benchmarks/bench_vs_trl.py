@@ -16,14 +16,16 @@ optimizer step per RL step, the same math reward (``score_batch("math")``), LR 2
   prompts x n that is one training batch (``per_device_train_batch_size`` = 128,
   ``gradient_accumulation_steps`` 1, so TRL skips its old-log-prob pass as klear-rl does),
   beta 0 (no reference model), loss ``dapo`` (token-level, as klear-rl's). Its remaining
-  settings (gradient checkpointing, KV cache) are chosen by measuring each candidate of
-  TRL_CANDIDATES first.
+  settings (gradient checkpointing, KV cache) are the candidates of TRL_CANDIDATES, every one
+  measured in every held-out run.
 
-Stages, with progress on stderr: (1) TRL's candidates, one short run each; (2) ``--runs``
-held-out runs, klear-rl and TRL's fastest alternating, each the median of its steps after
-the first (warm-up); (3) the per-phase profile of both sides (from the same runs: klear-rl's
-``time/*`` metrics, TRL's methods timed in its worker); (4) the sweep (``--sweep``, default
-SWEEP: one run per side per point); (5) the plot (docs/trl_sweep.png). ``--update-docs``
+Stages, with progress on stderr: (1) ``--runs`` held-out rounds, each klear-rl then every TRL
+candidate, each run the median of its steps after the first (warm-up); TRL's fastest
+configuration is the candidate with the lowest median over the rounds, and each round
+compares klear-rl with it (a choice from one short run per candidate flipped with the noise);
+(2) the per-phase profile of both sides (from the same runs: klear-rl's ``time/*`` metrics,
+TRL's methods timed in its worker); (3) the sweep (``--sweep``, default SWEEP: one run per
+side per point, TRL in its fastest configuration); (4) the plot (docs/trl_sweep.png). ``--update-docs``
 writes the tables between the markers in docs/training.md. TRL is not a dependency: ``pip install
 trl==1.16.0`` (and matplotlib for the plot).
 """
@@ -208,38 +210,45 @@ def trl_worker(spec: dict) -> None:
                       "response_len": statistics.mean(lengths[1:]) if lengths[1:] else 0.0}))
 
 
-def choose_trl(hf: Path, data: Path, steps: int, names: list[str]) -> tuple[str, dict]:
-    """TRL's fastest of the candidates ``names`` on the held-out work (one short run each)."""
-    times = {}
-    for name in names:
-        why = TRL_CANDIDATES[name][1]
-        log(f"TRL candidate {name} ({why})")
-        try:
-            times[name] = trl_run(hf, data, SAMPLES, NEW_TOKENS, steps, name)["s"]
-        except RuntimeError as e:
-            log(f"  {name} did not run here: {str(e).strip().splitlines()[-1][:200]}")
-            times[name] = float("inf")
-        log(f"  {name}: {times[name]:.3f} s/step")
-    return min(times, key=times.get), times
-
-
-def held_out(hf: Path, data: Path, work: Path, runs: int, steps: int, trl: str) -> list[dict]:
-    """``runs`` alternating pairs at the held-out shape."""
-    pairs = []
+def held_out(hf: Path, data: Path, work: Path, runs: int, steps: int,
+             names: list[str]) -> list[dict]:
+    """``runs`` rounds at the held-out shape: klear-rl, then every TRL candidate of ``names``
+    (each round's results; :func:`against_fastest` pairs them)."""
+    rounds = []
     for i in range(runs):
         log(f"held-out run {i + 1}/{runs}: klear-rl defaults")
         k = klear_run(hf, data, work, SAMPLES, NEW_TOKENS, steps)
-        log(f"held-out run {i + 1}/{runs}: TRL {trl}")
-        t = trl_run(hf, data, SAMPLES, NEW_TOKENS, steps, trl)
-        pairs.append({"klear": k, "trl": t, "ratio": t["s"] / k["s"]})
-        log(f"  klear-rl {k['s']:.3f} s/step, TRL {t['s']:.3f} s/step: {pairs[-1]['ratio']:.2f}x")
-    return pairs
+        candidates = {}
+        for name in names:
+            log(f"held-out run {i + 1}/{runs}: TRL {name} ({TRL_CANDIDATES[name][1]})")
+            try:
+                candidates[name] = trl_run(hf, data, SAMPLES, NEW_TOKENS, steps, name)
+            except RuntimeError as e:
+                log(f"  {name} did not run here: {str(e).strip().splitlines()[-1][:200]}")
+                continue
+            log(f"  {name}: {candidates[name]['s']:.3f} s/step (klear-rl {k['s']:.3f})")
+        rounds.append({"klear": k, "trl_candidates": candidates})
+    return rounds
+
+
+def against_fastest(rounds: list[dict]) -> tuple[str, list[dict]]:
+    """TRL's fastest configuration (the candidate with the lowest median over the rounds) and
+    each round's klear-rl against it: {"klear", "trl", "ratio", "trl_candidates" (s/step)}."""
+    names = {n for r in rounds for n in r["trl_candidates"]}
+    best = min(names, key=lambda n: statistics.median(
+        r["trl_candidates"][n]["s"] if n in r["trl_candidates"] else float("inf")
+        for r in rounds))
+    pairs = [{"klear": r["klear"], "trl": r["trl_candidates"][best],
+              "ratio": r["trl_candidates"][best]["s"] / r["klear"]["s"],
+              "trl_candidates": {n: c["s"] for n, c in r["trl_candidates"].items()}}
+             for r in rounds]
+    return best, pairs
 
 
 def sweep(hf: Path, data: Path, work: Path, trl: str, first: dict,
           points: list[tuple[int, int]]) -> list[dict]:
-    """One run per side at each point (the held-out point reuses ``first``); 4 steps a run,
-    3 from 1024 new tokens."""
+    """One run per side at each point (the held-out point reuses ``first``, the first held-out
+    round); 4 steps a run, 3 from 1024 new tokens."""
     rows = []
     for n, new in points:
         if (n, new) == (SAMPLES, NEW_TOKENS):
@@ -256,19 +265,20 @@ def sweep(hf: Path, data: Path, work: Path, trl: str, first: dict,
     return rows
 
 
-def tables(trl: str, trl_times: dict, pairs: list[dict], rows: list[dict]) -> str:
+def tables(trl: str, pairs: list[dict], rows: list[dict]) -> str:
     """The markdown the docs quote: TRL's candidates, the held-out runs, the profile, the
     sweep."""
-    out = ["| TRL candidate | why | s/step (one short run) |",
-           "|---|---|---|"]
-    for name, (_, why) in TRL_CANDIDATES.items():
-        if name not in trl_times:
-            continue
-        s = trl_times[name]
-        out.append(f"| `{name}`{' (fastest)' if name == trl else ''} | {why} | "
-                   f"{'did not run' if s == float('inf') else f'{s:.3f}'} |")
-    out += ["", "| held-out run | klear-rl defaults s/step | TRL s/step | TRL / klear-rl |",
-            "|---|---|---|---|"]
+    names = [n for n in TRL_CANDIDATES if any(n in p["trl_candidates"] for p in pairs)]
+    out = ["| TRL candidate | why | " + " | ".join(f"s/step, run {i}" for i in
+                                                  range(1, len(pairs) + 1)) + " |",
+           "|---|---|" + "---|" * len(pairs)]
+    for name in names:
+        times = [p["trl_candidates"].get(name) for p in pairs]
+        out.append(f"| `{name}`{' (fastest: lowest median)' if name == trl else ''} | "
+                   f"{TRL_CANDIDATES[name][1]} | "
+                   + " | ".join("did not run" if t is None else f"{t:.3f}" for t in times) + " |")
+    out += ["", f"| held-out run | klear-rl defaults s/step | TRL `{trl}` s/step | "
+            "TRL / klear-rl |", "|---|---|---|---|"]
     for i, p in enumerate(pairs, 1):
         out.append(f"| {i} | {p['klear']['s']:.3f} | {p['trl']['s']:.3f} | "
                    f"**{p['ratio']:.2f}x** |")
@@ -345,8 +355,6 @@ def main() -> None:
                    "separated; '' skips the sweep")
     p.add_argument("--trl-candidates", default=",".join(TRL_CANDIDATES),
                    help=f"TRL configurations to choose from, of {list(TRL_CANDIDATES)}")
-    p.add_argument("--candidate-steps", type=int, default=5,
-                   help="RL steps of each TRL candidate's run")
     p.add_argument("--update-docs", action="store_true",
                    help="write the tables into docs/training.md and the plot to docs/")
     args = p.parse_args()
@@ -366,20 +374,19 @@ def main() -> None:
     load = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
     hf, data = make_setup(work)
-    trl_best, trl_times = choose_trl(hf, data, args.candidate_steps, names)
-    pairs = held_out(hf, data, work, args.runs, args.steps, trl_best)
+    trl_best, pairs = against_fastest(held_out(hf, data, work, args.runs, args.steps, names))
     rows = sweep(hf, data, work, trl_best, pairs[0], points)
     text = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, TRL "
             f"{trl.__version__}, load average {load:.1f} before and {os.getloadavg()[0]:.1f} "
             f"after, {(time.time() - start) / 60:.1f} min in all (`python "
             f"benchmarks/bench_vs_trl.py {' '.join(sys.argv[1:])}`).\n\n"
-            + tables(trl_best, trl_times, pairs, rows))
+            + tables(trl_best, pairs, rows))
     print(text)
     if args.update_docs:
         update_docs(text, ROOT / "docs" / "training.md")
         if rows:
             plot(rows, ROOT / "docs" / "trl_sweep.png")
-    print(json.dumps({"trl_candidates": trl_times, "trl": trl_best, "held_out": pairs,
+    print(json.dumps({"trl": trl_best, "held_out": pairs,
                       "sweep": rows}))
 
 
