@@ -10,7 +10,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include "cpu/decode_attention_cpu.h"
+#include "cpu/decode_cpu.h"
 #include "cpu/vocab_logprobs_cpu.h"
 #include "op_checks.h"
 
@@ -115,6 +115,32 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_t, cons
   return out;
 }
 
+// x [rows, heads, dim] (unit stride in dim), weight [dim], cos/sin [rows, dim]: fp32 CPU, dim
+// even. Returns rope(rmsnorm(x) * weight), contiguous [rows, heads, dim].
+at::Tensor qk_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                            const at::Tensor& sin, double eps) {
+  for (const at::Tensor* t : {&x, &weight, &cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
+                "qk_norm_rope: fp32 CPU tensors only, got ", t->scalar_type(), " on ",
+                t->device());
+    TORCH_CHECK(t->dim() > 0 && t->stride(-1) == 1,
+                "qk_norm_rope: unit stride in the last dimension");
+  }
+  TORCH_CHECK(x.dim() == 3 && weight.dim() == 1 && cos.dim() == 2 && sin.sizes() == cos.sizes() &&
+                  sin.strides() == cos.strides(),
+              "qk_norm_rope: x [rows, heads, dim], weight [dim], cos/sin [rows, dim]");
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(weight.size(0) == dim && cos.size(0) == rows && cos.size(1) == dim && dim % 2 == 0,
+              "qk_norm_rope: shapes x ", x.sizes(), " weight ", weight.sizes(), " cos ",
+              cos.sizes(), " do not match (dim must be even)");
+  auto out = at::empty({rows, heads, dim}, x.options());
+  klear::cpu::qk_norm_rope(x.const_data_ptr<float>(), x.stride(0), x.stride(1),
+                           weight.const_data_ptr<float>(), cos.const_data_ptr<float>(),
+                           sin.const_data_ptr<float>(), cos.stride(0), rows, heads, dim,
+                           static_cast<float>(eps), out.mutable_data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(klear, m) {
@@ -128,6 +154,7 @@ TORCH_LIBRARY(klear, m) {
         "float beta2, float dual_clip, float erc_low, float erc_high) -> (Tensor, Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k_t, Tensor v, Tensor bias, int keys, float scale) "
         "-> Tensor");
+  m.def("qk_norm_rope(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(klear, CPU, m) {
@@ -136,6 +163,7 @@ TORCH_LIBRARY_IMPL(klear, CPU, m) {
   m.impl("logprob_backward_", &klear::backward_inplace<&backward_cpu>);
   m.impl("token_policy_loss", &token_loss_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
+  m.impl("qk_norm_rope", &qk_norm_rope_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

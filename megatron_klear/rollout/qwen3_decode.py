@@ -11,10 +11,10 @@ thing from the same modules and weights -- projections, rotary embedding and
 (tests/test_rollout_server.py compares them). Full attention only, as Qwen3 and Qwen3-MoE
 use; a config with sliding-window layers is refused by :func:`check_supported`.
 
-A decode step (one new token per row) of an fp32 model on the CPU attends through the
-extension's ``klear::decode_attention`` (csrc/cpu/decode_attention_cpu.h; the same math in
-one pass per row and KV head, where torch spends a decode step's attention on per-matrix and
-per-op overhead), which is why the cache keeps its keys transposed.
+An fp32 model on the CPU runs two of the extension's kernels (csrc/cpu/decode_cpu.h: the same
+math in one pass per row and head, where torch spends a decode step on per-op overhead):
+``klear::qk_norm_rope`` (q_norm / k_norm and the rotary embedding) and, for one-token steps,
+``klear::decode_attention``, which is why the cache keeps its keys transposed.
 """
 
 from __future__ import annotations
@@ -57,13 +57,18 @@ def grouped_attention(query: torch.Tensor, key_t: torch.Tensor, value: torch.Ten
 
 
 @functools.cache
-def _decode_kernel():
-    """``torch.ops.klear.decode_attention`` where the extension is built, else None."""
+def _kernel(name: str):
+    """``torch.ops.klear.<name>`` where the extension is built, else None."""
     try:
         from megatron_klear import _C  # noqa: F401 - registers torch.ops.klear
     except ImportError:
         return None
-    return getattr(torch.ops.klear, "decode_attention", None)
+    return getattr(torch.ops.klear, name, None)
+
+
+def _on_kernels(x: torch.Tensor) -> bool:
+    """Whether the extension's CPU kernels serve ``x`` (fp32 on the CPU)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 class KVCache:
@@ -127,8 +132,7 @@ class KVCache:
         [b, t, h * d]. A one-token step of an fp32 CPU cache runs the decode kernel."""
         b, h, t, d = query.shape
         end = self.length + t
-        kernel = _decode_kernel() if t == 1 and self.dtype == torch.float32 and \
-            self.device.type == "cpu" else None
+        kernel = _kernel("decode_attention") if t == 1 and _on_kernels(query) else None
         if kernel is None:
             return grouped_attention(query, self.k[layer][..., :end],
                                      self.v[layer][:, :, :end], mask, scaling)
@@ -154,6 +158,27 @@ class KVCache:
         self.bias = self.bias[index]
 
 
+def _queries_keys(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's queries and keys [b, heads, t, d] of ``x`` [b, t, hidden]: projected, each
+    head RMS-normed (q_norm / k_norm) and rotated (``apply_rotary_pos_emb``), for an fp32 CPU
+    model in one ``klear::qk_norm_rope`` pass per tensor."""
+    b, t = x.shape[:2]
+    d = attn.head_dim
+    q, k = attn.q_proj(x), attn.k_proj(x)
+    kernel = _kernel("qk_norm_rope") if _on_kernels(x) else None
+    if kernel is None:
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+        q, k = (_norm(norm, y.view(b, t, -1, d)).transpose(1, 2)
+                for norm, y in ((attn.q_norm, q), (attn.k_norm, k)))
+        return apply_rotary_pos_emb(q, k, cos, sin)
+    cos, sin = cos.reshape(b * t, d), sin.reshape(b * t, d)
+    return tuple(kernel(y.view(b * t, -1, d), norm.weight, cos, sin, norm.variance_epsilon)
+                 .view(b, t, -1, d).transpose(1, 2)
+                 for norm, y in ((attn.q_norm, q), (attn.k_norm, k)))
+
+
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Qwen3RMSNorm as one fused ``rms_norm``: fp32 statistics as transformers' module (in
     bf16 it rounds once where the module rounds twice, within a bf16 ulp)."""
@@ -166,8 +191,6 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
             cache: KVCache, all_logits: bool = False) -> torch.Tensor:
     """fp32 logits of ``ids`` [b, t] at ``positions`` [b, t], appended to ``cache``: of every
     position with ``all_logits``, else of the last only ([b, t or 1, V])."""
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
     inner = model.model
     b, t = ids.shape
     cache.reserve(cache.length + t)
@@ -177,11 +200,8 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = _norm(layer.input_layernorm, hidden)
-        shape = (b, t, -1, attn.head_dim)
-        q = _norm(attn.q_norm, attn.q_proj(x).view(shape)).transpose(1, 2)
-        k = _norm(attn.k_norm, attn.k_proj(x).view(shape)).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = _queries_keys(attn, x, cos, sin)
+        v = attn.v_proj(x).view(b, t, -1, attn.head_dim).transpose(1, 2)
         cache.append(i, k, v)
         hidden = hidden + attn.o_proj(cache.attend(i, q, mask, attn.scaling))
         hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))

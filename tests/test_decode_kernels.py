@@ -1,8 +1,9 @@
-"""The embedded server's decode attention kernel (``klear::decode_attention``,
-csrc/cpu/decode_attention_cpu.h) against the torch reference it replaces
-(``qwen3_decode.grouped_attention``: transformers' eager attention), on every CPU kernel copy.
+"""The embedded server's decode kernels (csrc/cpu/decode_cpu.h) against the torch code they
+replace, on every CPU kernel copy: ``klear::qk_norm_rope`` against transformers' Qwen3RMSNorm
+math (``qwen3_decode._norm``) and ``apply_rotary_pos_emb``; ``klear::decode_attention``
+against ``qwen3_decode.grouped_attention`` (transformers' eager attention).
 
-Cases cover grouped-query ratios 1, 2 and 4, head widths on and off the kernel's 16-float
+Attention cases cover grouped-query ratios 1, 2 and 4, head widths on and off the kernel's 16-float
 blocks, key counts with and without a partial last block, capacities that are and are not
 whole blocks (the kernel may read whole blocks only inside the capacity), padded rows, and a
 cache after ``select`` and growth, as the server uses it.
@@ -18,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_klear.rollout.qwen3_decode import grouped_attention
+from types import SimpleNamespace
+
+from megatron_klear.rollout.qwen3_decode import _norm, grouped_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 # (rows, heads, kv_heads, dim, capacity, keys)
@@ -48,8 +51,39 @@ def check_cases() -> None:
                                    msg=lambda m: f"case {rows, heads, kv, dim, capacity, keys}: {m}")
 
 
+# (rows, heads, dim) of qk_norm_rope; the input is a view with a row stride > heads * dim
+NORM_ROPE_CASES = [(7, 4, 32), (3, 2, 128), (5, 3, 6)]
+
+
+def check_norm_rope() -> None:
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    _kernel()  # registers the ops
+    kernel = torch.ops.klear.qk_norm_rope
+    g = torch.Generator().manual_seed(2)
+    for rows, heads, dim in NORM_ROPE_CASES:
+        x = torch.randn(rows, heads * dim + 5, generator=g)[:, :heads * dim] * 3
+        weight = torch.rand(dim, generator=g) + 0.5
+        angles = torch.rand(rows, dim // 2, generator=g) * 50
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        norm = SimpleNamespace(weight=weight, variance_epsilon=1e-6)
+        normed = _norm(norm, x.view(rows, 1, heads, dim)).transpose(1, 2)  # [rows, h, 1, d]
+        want, _ = apply_rotary_pos_emb(normed, normed, cos[:, None], sin[:, None])
+        got = kernel(x.view(rows, heads, dim), weight, cos, sin, 1e-6)
+        torch.testing.assert_close(got, want[:, :, 0], rtol=0, atol=2e-6,
+                                   msg=lambda m: f"case {rows, heads, dim}: {m}")
+
+
 def test_kernel_matches_the_torch_attention():
     check_cases()
+
+
+def test_norm_rope_kernel_matches_transformers_math():
+    check_norm_rope()
+    with pytest.raises(RuntimeError, match="dim must be even"):
+        torch.ops.klear.qk_norm_rope(torch.randn(2, 1, 5), torch.ones(5), torch.ones(2, 5),
+                                     torch.ones(2, 5), 1e-6)
 
 
 def test_kernel_refuses_what_it_cannot_read():
@@ -69,8 +103,6 @@ def test_kernel_refuses_what_it_cannot_read():
 def test_server_cache_decodes_through_the_kernel():
     """A KVCache of an fp32 CPU model attends one-token steps with the kernel, after select and
     growth, as the torch path does (the same cache through both)."""
-    from types import SimpleNamespace
-
     from megatron_klear.rollout import qwen3_decode
 
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2,
@@ -98,9 +130,10 @@ def test_server_cache_decodes_through_the_kernel():
 COPY_CHECK = """
 import torch  # noqa: F401 - loads the libraries the extension links
 from megatron_klear import _C
-from tests.test_decode_attention import check_cases
+from tests.test_decode_kernels import check_cases, check_norm_rope
 print(_C.cpu_isa(), flush=True)
 check_cases()
+check_norm_rope()
 """
 
 

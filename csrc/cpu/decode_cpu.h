@@ -1,5 +1,11 @@
-// One decode step's attention for the embedded rollout server (megatron_klear/rollout/
-// qwen3_decode.py): each row's one new query token against its KV cache, grouped-query, with an
+// The embedded rollout server's decode kernels (megatron_klear/rollout/qwen3_decode.py), where
+// a tiny model's step is per-op overhead in torch.
+//
+// qk_norm_rope: Qwen3's per-head RMSNorm of the queries or keys followed by the rotary
+// embedding (transformers' q_norm/k_norm and apply_rotary_pos_emb, non-interleaved halves), one
+// pass per row and head instead of about twenty ops per layer.
+//
+// decode_attention: each row's one new query token against its KV cache, grouped-query, with an
 // fp32 softmax over an additive padding mask, as transformers' eager attention computes it. In
 // torch that is two batched matmuls of (rows x KV heads) tiny matrices plus mask, scale and
 // softmax ops, all per-matrix and per-op overhead at decode sizes. Here each (row, KV head) is
@@ -143,6 +149,65 @@ inline void decode_attention(const float* q, const float* kt, const float* v, co
                    kt + b * s.k_row + g * s.k_head, s.k_dim, v + b * s.v_row + g * s.v_head,
                    s.v_key, bias + b * s.bias_row, s.keys, s.dim, rep, scale, scores.data(),
                    out + (b * s.heads + g * rep) * s.dim);
+    }
+  }
+}
+
+// out[row, head] = rope(rmsnorm(x[row, head]) * weight) with the row's cos/sin [dim]:
+// n = x / sqrt(mean(x^2) + eps) * weight; out[j] = n[j] cos[j] - n[j + h] sin[j] (j < h),
+// n[j] cos[j] + n[j - h] sin[j] (j >= h), h = dim / 2. x rows `x_row` apart, heads `x_head`
+// apart; out contiguous [rows, heads, dim].
+KLEAR_INLINE void norm_rope_head(const float* x, const float* weight, const float* cos,
+                                 const float* sin, int64_t dim, float eps, float* n,
+                                 float* out) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < dim; ++j) ss += x[j] * x[j];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < dim; ++j) n[j] = x[j] * r * weight[j];
+  const int64_t h = dim / 2;
+#pragma omp simd
+  for (int64_t j = 0; j < h; ++j) out[j] = n[j] * cos[j] - n[j + h] * sin[j];
+#pragma omp simd
+  for (int64_t j = h; j < dim; ++j) out[j] = n[j] * cos[j] + n[j - h] * sin[j];
+}
+
+#if KLEAR_X86_DISPATCH
+#define KLEAR_NORM_ROPE_KERNEL(isa, attr)                                                         \
+  attr void norm_rope_head_##isa(const float* x, const float* weight, const float* cos,          \
+                                 const float* sin, int64_t dim, float eps, float* n,             \
+                                 float* out) {                                                    \
+    norm_rope_head(x, weight, cos, sin, dim, eps, n, out);                                        \
+  }
+KLEAR_NORM_ROPE_KERNEL(avx2, KLEAR_AVX2)
+KLEAR_NORM_ROPE_KERNEL(avx512, KLEAR_AVX512)
+#undef KLEAR_NORM_ROPE_KERNEL
+#endif
+
+inline void qk_norm_rope(const float* x, int64_t x_row, int64_t x_head, const float* weight,
+                         const float* cos, const float* sin, int64_t trig_row, int64_t rows,
+                         int64_t heads, int64_t dim, float eps, float* out) {
+#pragma omp parallel
+  {
+    std::vector<float> n(dim);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * heads; ++i) {
+      const int64_t row = i / heads, head = i % heads;
+      const float* xi = x + row * x_row + head * x_head;
+      const float *c = cos + row * trig_row, *s = sin + row * trig_row;
+      float* o = out + i * dim;
+#if KLEAR_X86_DISPATCH
+      if (cpu_isa() >= Isa::kAvx512) {
+        norm_rope_head_avx512(xi, weight, c, s, dim, eps, n.data(), o);
+        continue;
+      }
+      if (cpu_isa() == Isa::kAvx2) {
+        norm_rope_head_avx2(xi, weight, c, s, dim, eps, n.data(), o);
+        continue;
+      }
+#endif
+      norm_rope_head(xi, weight, c, s, dim, eps, n.data(), o);
     }
   }
 }
