@@ -141,6 +141,24 @@ at::Tensor qk_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, const
   return out;
 }
 
+// x [rows, dim] (unit stride in dim), weight [dim]: fp32 CPU. Returns x / sqrt(mean(x^2) + eps)
+// * weight, contiguous.
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  for (const at::Tensor* t : {&x, &weight}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
+                "rms_norm: fp32 CPU tensors only, got ", t->scalar_type(), " on ", t->device());
+    TORCH_CHECK(t->dim() > 0 && t->stride(-1) == 1, "rms_norm: unit stride in the last dimension");
+  }
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rms_norm: x [rows, dim] and weight [dim], got ", x.sizes(), " and ",
+              weight.sizes());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  klear::cpu::rms_norm(x.const_data_ptr<float>(), x.stride(0), weight.const_data_ptr<float>(),
+                       x.size(0), x.size(1), static_cast<float>(eps),
+                       out.mutable_data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(klear, m) {
@@ -155,6 +173,7 @@ TORCH_LIBRARY(klear, m) {
   m.def("decode_attention(Tensor q, Tensor k_t, Tensor v, Tensor bias, int keys, float scale) "
         "-> Tensor");
   m.def("qk_norm_rope(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(klear, CPU, m) {
@@ -164,6 +183,7 @@ TORCH_LIBRARY_IMPL(klear, CPU, m) {
   m.impl("token_policy_loss", &token_loss_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("qk_norm_rope", &qk_norm_rope_cpu);
+  m.impl("rms_norm", &rms_norm_cpu);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,6 +1,6 @@
 """The embedded server's decode kernels (csrc/cpu/decode_cpu.h) against the torch code they
-replace, on every CPU kernel copy: ``klear::qk_norm_rope`` against transformers' Qwen3RMSNorm
-math (``qwen3_decode._norm``) and ``apply_rotary_pos_emb``; ``klear::decode_attention``
+replace, on every CPU kernel copy: ``klear::rms_norm`` against torch's ``rms_norm`` (the
+Qwen3RMSNorm math), ``klear::qk_norm_rope`` against it and transformers' ``apply_rotary_pos_emb``; ``klear::decode_attention``
 against ``qwen3_decode.grouped_attention`` (transformers' eager attention).
 
 Attention cases cover grouped-query ratios 1, 2 and 4, head widths on and off the kernel's 16-float
@@ -19,9 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from types import SimpleNamespace
-
-from megatron_klear.rollout.qwen3_decode import _norm, grouped_attention
+from megatron_klear.rollout.qwen3_decode import grouped_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 # (rows, heads, kv_heads, dim, capacity, keys)
@@ -67,19 +65,24 @@ def check_norm_rope() -> None:
         angles = torch.rand(rows, dim // 2, generator=g) * 50
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos(), angles.sin()
-        norm = SimpleNamespace(weight=weight, variance_epsilon=1e-6)
-        normed = _norm(norm, x.view(rows, 1, heads, dim)).transpose(1, 2)  # [rows, h, 1, d]
+        normed = torch.nn.functional.rms_norm(x.view(rows, 1, heads, dim), (dim,), weight,
+                                              1e-6).transpose(1, 2)  # [rows, h, 1, d]
         want, _ = apply_rotary_pos_emb(normed, normed, cos[:, None], sin[:, None])
         got = kernel(x.view(rows, heads, dim), weight, cos, sin, 1e-6)
         torch.testing.assert_close(got, want[:, :, 0], rtol=0, atol=2e-6,
                                    msg=lambda m: f"case {rows, heads, dim}: {m}")
+        # the whole row normed (hidden-size norms): klear::rms_norm against torch's
+        w = torch.rand(heads * dim, generator=g) + 0.5
+        want = torch.nn.functional.rms_norm(x, (heads * dim,), w, 1e-6)
+        torch.testing.assert_close(torch.ops.klear.rms_norm(x, w, 1e-6), want, rtol=0,
+                                   atol=2e-6, msg=lambda m: f"rms_norm {rows, heads * dim}: {m}")
 
 
 def test_kernel_matches_the_torch_attention():
     check_cases()
 
 
-def test_norm_rope_kernel_matches_transformers_math():
+def test_norm_kernels_match_transformers_math():
     check_norm_rope()
     with pytest.raises(RuntimeError, match="dim must be even"):
         torch.ops.klear.qk_norm_rope(torch.randn(2, 1, 5), torch.ones(5), torch.ones(2, 5),
@@ -103,6 +106,8 @@ def test_kernel_refuses_what_it_cannot_read():
 def test_server_cache_decodes_through_the_kernel():
     """A KVCache of an fp32 CPU model attends one-token steps with the kernel, after select and
     growth, as the torch path does (the same cache through both)."""
+    from types import SimpleNamespace
+
     from megatron_klear.rollout import qwen3_decode
 
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2,

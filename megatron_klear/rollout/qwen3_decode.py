@@ -11,10 +11,11 @@ thing from the same modules and weights -- projections, rotary embedding and
 (tests/test_rollout_server.py compares them). Full attention only, as Qwen3 and Qwen3-MoE
 use; a config with sliding-window layers is refused by :func:`check_supported`.
 
-An fp32 model on the CPU runs two of the extension's kernels (csrc/cpu/decode_cpu.h: the same
-math in one pass per row and head, where torch spends a decode step on per-op overhead):
-``klear::qk_norm_rope`` (q_norm / k_norm and the rotary embedding) and, for one-token steps,
-``klear::decode_attention``, which is why the cache keeps its keys transposed.
+An fp32 model on the CPU runs the extension's kernels (csrc/cpu/decode_cpu.h: the same math in
+one pass per row and head, where torch spends a decode step on per-op overhead):
+``klear::rms_norm``, ``klear::qk_norm_rope`` (q_norm / k_norm and the rotary embedding) and,
+for one-token steps, ``klear::decode_attention``, which is why the cache keeps its keys
+transposed.
 """
 
 from __future__ import annotations
@@ -153,9 +154,9 @@ class KVCache:
     def select(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (the n samples of a prompt share its prefill)."""
         index = index.to(self.device)
-        self.k = [k[index] for k in self.k]
-        self.v = [v[index] for v in self.v]
-        self.bias = self.bias[index]
+        self.k = [k.index_select(0, index) for k in self.k]
+        self.v = [v.index_select(0, index) for v in self.v]
+        self.bias = self.bias.index_select(0, index)
 
 
 def _queries_keys(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -181,9 +182,14 @@ def _queries_keys(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
 
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Qwen3RMSNorm as one fused ``rms_norm``: fp32 statistics as transformers' module (in
-    bf16 it rounds once where the module rounds twice, within a bf16 ulp)."""
-    return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight,
-                                        module.variance_epsilon)
+    bf16 it rounds once where the module rounds twice, within a bf16 ulp); for an fp32 CPU
+    model the extension's ``klear::rms_norm``."""
+    kernel = _kernel("rms_norm") if _on_kernels(x) and x.stride(-1) == 1 else None
+    if kernel is None:
+        return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight,
+                                            module.variance_epsilon)
+    rows = x.reshape(-1, x.shape[-1])
+    return kernel(rows, module.weight, module.variance_epsilon).view(x.shape)
 
 
 @torch.no_grad()
