@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from megatron_klear.ops.policy_loss import merge_shard_stats
-from tests.cuda_emu import MUTATIONS, ROOT, build, emulated_ops
+from tests.cpu_kernel_copies import check_every_lower_copy
+from tests.cuda_emu import MUTATIONS, build, emulated_ops
 from tests.policy_loss_cases import reference64, ulp
 
 GUARD_VALUE = 25.0   # logits of the guard band around every shard (a read there shows)
@@ -196,12 +195,8 @@ def test_cpu_kernels_match_fp64_too(case):
     check_against_fp64(torch.ops.klear, case)
 
 
-# One process per CPU kernel copy: KLEAR_CPU_ISA caps the copy chosen at run time (read once).
 COPY_CHECK = """
-import torch
-from megatron_klear import _C
 from tests.test_cuda_emu import CASES, check_against_fp64
-print(_C.cpu_isa(), flush=True)
 for case in CASES:
     if case.dtype == torch.bfloat16:
         check_against_fp64(torch.ops.klear, case)
@@ -211,17 +206,7 @@ for case in CASES:
 def test_every_cpu_kernel_copy_matches_fp64():
     """The bf16 cases through every lower CPU kernel copy (generic AVX-512, AVX2, SSE2): this
     machine's best copy (the AVX-512 BF16 intrinsics on Zen 4) runs in the test above."""
-    from megatron_klear import _C
-    names = _C.cpu_isa_names[:_C.cpu_isa_names.index(_C.cpu_isa())]
-    procs = {name: subprocess.Popen([sys.executable, "-c", COPY_CHECK], cwd=ROOT, text=True,
-                                    env={**os.environ, "KLEAR_CPU_ISA": name,
-                                         "OMP_NUM_THREADS": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name in names}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"KLEAR_CPU_ISA={name}: {err[-3000:]}"
-        assert out.split()[0] == name, f"KLEAR_CPU_ISA={name} ran the {out.split()[0]} copy"
+    check_every_lower_copy(COPY_CHECK)
 
 
 def test_each_planted_bug_fails_a_check():

@@ -11,17 +11,11 @@ cache after ``select`` and growth, as the server uses it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from megatron_klear.rollout.qwen3_decode import grouped_attention
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.cpu_kernel_copies import check_every_lower_copy
 # (rows, heads, kv_heads, dim, capacity, keys)
 CASES = [(5, 4, 2, 32, 48, 48), (3, 4, 2, 32, 48, 17), (4, 2, 2, 16, 20, 19),
          (2, 8, 2, 48, 33, 30), (6, 4, 1, 64, 64, 1), (3, 6, 3, 8, 7, 7)]
@@ -131,27 +125,6 @@ def test_server_cache_decodes_through_the_kernel():
     assert cache.capacity > 16 and cache.capacity % qwen3_decode.DECODE_BLOCK == 0
 
 
-# One process per CPU kernel copy: KLEAR_CPU_ISA caps the copy chosen at run time (read once).
-COPY_CHECK = """
-import torch  # noqa: F401 - loads the libraries the extension links
-from megatron_klear import _C
-from tests.test_decode_kernels import check_cases, check_norm_rope
-print(_C.cpu_isa(), flush=True)
-check_cases()
-check_norm_rope()
-"""
-
-
 def test_every_cpu_kernel_copy_matches():
-    from megatron_klear import _C
-
-    names = _C.cpu_isa_names[:_C.cpu_isa_names.index(_C.cpu_isa())]
-    procs = {name: subprocess.Popen([sys.executable, "-c", COPY_CHECK], cwd=ROOT, text=True,
-                                    env={**os.environ, "KLEAR_CPU_ISA": name,
-                                         "OMP_NUM_THREADS": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name in names}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"KLEAR_CPU_ISA={name}: {err[-3000:]}"
-        assert out.split()[0] == name, f"KLEAR_CPU_ISA={name} ran the {out.split()[0]} copy"
+    check_every_lower_copy("from tests.test_decode_kernels import check_cases, check_norm_rope\n"
+                           "check_cases()\ncheck_norm_rope()\n", timeout_s=300)
