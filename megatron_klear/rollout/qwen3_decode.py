@@ -118,14 +118,11 @@ class KVCache:
         if end > self.bias.shape[1]:
             self._resize(2 * end)
 
-    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values ([b, kv, t, d]) at ``length``; the filled part of the
-        layer's cache (keys transposed, [b, kv, d, length + t])."""
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write this step's keys/values ([b, kv, t, d]) at ``length`` (keys transposed)."""
         end = self.length + key.shape[2]
         self.k[layer][..., self.length:end] = key.transpose(2, 3)
         self.v[layer][:, :, self.length:end] = value
-        return self.k[layer][..., :end], self.v[layer][:, :, :end]
 
     def attend(self, layer: int, query: torch.Tensor, mask: torch.Tensor, scaling: float
                ) -> torch.Tensor:
