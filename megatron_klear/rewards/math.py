@@ -267,22 +267,25 @@ class MathVerifierPool:
         the worker) scores ``failed``, and a fresh worker takes the rest."""
         out: list[float] = []
         with self._slots:
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
-                worker = _Worker()
+            worker = None
             while len(out) < len(jobs):
+                if worker is None:
+                    try:
+                        worker = self._idle.get_nowait()
+                    except queue.Empty:
+                        worker = _Worker()
                 worker.send(jobs[len(out):], mode)
                 for _ in range(len(out), len(jobs)):
                     result = worker.result(timeout_s)
                     out.append(failed if result is None else result)
                     if done is not None:
                         done(1)
-                    if result is None:
+                    if result is None:  # unusable: a fresh one takes what is left, if any
                         worker.kill()
-                        worker = _Worker()
+                        worker = None
                         break
-            self._idle.put(worker)
+            if worker is not None:
+                self._idle.put(worker)
         return out
 
     def close(self) -> None:
