@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "cpu/decode_cpu.h"
+#include "cpu/onednn_gemm.h"
 #include "cpu/vocab_logprobs_cpu.h"
 #include "op_checks.h"
 
@@ -85,13 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_loss_cpu(
 // `keys` positions are attended: fp32 CPU tensors, unit stride in the last dimension.
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& v,
                                 const at::Tensor& bias, int64_t keys, double scale) {
-  for (const at::Tensor* t : {&q, &k_t, &v, &bias}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
-                "decode_attention: fp32 CPU tensors only, got ", t->scalar_type(), " on ",
-                t->device());
-    TORCH_CHECK(t->dim() > 0 && t->stride(-1) == 1,
-                "decode_attention: unit stride in the last dimension");
-  }
+  klear::check_cpu_rows("decode_attention", {&q, &k_t, &v, &bias});
   TORCH_CHECK(q.dim() == 3 && k_t.dim() == 4 && v.dim() == 4 && bias.dim() == 2,
               "decode_attention: q [rows, heads, dim], k_t [rows, kv_heads, dim, capacity], "
               "v [rows, kv_heads, capacity, dim], bias [rows, capacity]");
@@ -119,13 +114,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_t, cons
 // even. Returns rope(rmsnorm(x) * weight), contiguous [rows, heads, dim].
 at::Tensor qk_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
                             const at::Tensor& sin, double eps) {
-  for (const at::Tensor* t : {&x, &weight, &cos, &sin}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
-                "qk_norm_rope: fp32 CPU tensors only, got ", t->scalar_type(), " on ",
-                t->device());
-    TORCH_CHECK(t->dim() > 0 && t->stride(-1) == 1,
-                "qk_norm_rope: unit stride in the last dimension");
-  }
+  klear::check_cpu_rows("qk_norm_rope", {&x, &weight, &cos, &sin});
   TORCH_CHECK(x.dim() == 3 && weight.dim() == 1 && cos.dim() == 2 && sin.sizes() == cos.sizes() &&
                   sin.strides() == cos.strides(),
               "qk_norm_rope: x [rows, heads, dim], weight [dim], cos/sin [rows, dim]");
@@ -144,11 +133,7 @@ at::Tensor qk_norm_rope_cpu(const at::Tensor& x, const at::Tensor& weight, const
 // x [rows, dim] (unit stride in dim), weight [dim]: fp32 CPU. Returns x / sqrt(mean(x^2) + eps)
 // * weight, contiguous.
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  for (const at::Tensor* t : {&x, &weight}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
-                "rms_norm: fp32 CPU tensors only, got ", t->scalar_type(), " on ", t->device());
-    TORCH_CHECK(t->dim() > 0 && t->stride(-1) == 1, "rms_norm: unit stride in the last dimension");
-  }
+  klear::check_cpu_rows("rms_norm", {&x, &weight});
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
               "rms_norm: x [rows, dim] and weight [dim], got ", x.sizes(), " and ",
               weight.sizes());
@@ -157,6 +142,23 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
                        x.size(0), x.size(1), static_cast<float>(eps),
                        out.mutable_data_ptr<float>());
   return out;
+}
+
+// dy and x [rows, dim], weight [dim]: fp32 CPU. Returns (dx, dweight) of rms_norm_cpu.
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& dy, const at::Tensor& x,
+                                                         const at::Tensor& weight, double eps) {
+  klear::check_cpu_rows("rms_norm_backward", {&dy, &x, &weight});
+  TORCH_CHECK(x.dim() == 2 && dy.sizes() == x.sizes() && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1),
+              "rms_norm_backward: dy and x [rows, dim], weight [dim], got ", dy.sizes(), ", ",
+              x.sizes(), " and ", weight.sizes());
+  const at::Tensor dyc = dy.contiguous(), xc = x.contiguous();
+  auto dx = at::empty_like(xc), dw = at::empty_like(weight);
+  klear::cpu::rms_norm_backward(dyc.const_data_ptr<float>(), xc.const_data_ptr<float>(),
+                                weight.const_data_ptr<float>(), x.size(0), x.size(1),
+                                static_cast<float>(eps), dx.mutable_data_ptr<float>(),
+                                dw.mutable_data_ptr<float>());
+  return {dx, dw};
 }
 
 }  // namespace
@@ -174,6 +176,8 @@ TORCH_LIBRARY(klear, m) {
         "-> Tensor");
   m.def("qk_norm_rope(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("onednn_mm(Tensor a, Tensor b) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(klear, CPU, m) {
@@ -184,6 +188,8 @@ TORCH_LIBRARY_IMPL(klear, CPU, m) {
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("qk_norm_rope", &qk_norm_rope_cpu);
   m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("rms_norm_backward", &rms_norm_backward_cpu);
+  m.impl("onednn_mm", &klear::cpu::onednn_mm);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -194,6 +200,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
       false;
 #endif
+  // Whether torch's oneDNN fp32 matmul is there for klear::onednn_mm (see cpu/onednn_gemm.h).
+  m.attr("onednn_gemm") = klear::cpu::onednn_gemm_available();
   // The CPU kernel copy this process runs (KLEAR_CPU_ISA caps it; megatron_klear/ops checks the
   // variable against cpu_isa_names).
 #if KLEAR_X86_DISPATCH

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <utility>
 
@@ -120,6 +121,15 @@ at::Tensor& backward_inplace(at::Tensor& logits, const at::Tensor& target_local,
                              double inv_temp) {
   Impl(logits, target_local, lse, entropy, grad_logp, grad_entropy, valid, inv_temp, true);
   return logits;
+}
+
+// The decode and norm kernels take fp32 CPU tensors whose last dimension has unit stride.
+inline void check_cpu_rows(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), op,
+                ": fp32 CPU tensors only, got ", t->scalar_type(), " on ", t->device());
+    TORCH_CHECK(t->dim() > 0 && t->stride(-1) == 1, op, ": unit stride in the last dimension");
+  }
 }
 
 }  // namespace klear

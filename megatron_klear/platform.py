@@ -48,6 +48,8 @@ written as if on GPU. :func:`setup` is idempotent.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import sys
@@ -155,6 +157,7 @@ def _redirect(dev):
 
 
 _TO = {torch.Tensor.to}
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}  # to cpu_matmul
 _CUDA_METHODS = {torch.Tensor.cuda}
 _PIN = torch.Tensor.pin_memory
 _IS_PINNED = torch.Tensor.is_pinned
@@ -197,6 +200,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         self.strict = strict
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _MATMULS and not kwargs:
+            out = cpu_matmul(*args)
+            if out is not None:
+                return out
         kwargs = dict(kwargs or {})
         if self.strict and func in _DEVICE_QUERIES:
             return _DEVICE_QUERIES[func](args[0])
@@ -583,6 +590,84 @@ def _keep_mode_in_backward(mode: TorchFunctionMode) -> None:
     torch.Tensor.register_hook = lambda self, hook: register_hook(self, entered(hook))
 
 
+# --------------------------------------------------------------------------- CPU GEMM
+
+CPU_GEMM_ENV = "KLEAR_CPU_GEMM"
+CPU_GEMMS = ("onednn", "mkl")
+# Below this many multiply-adds MKL's sgemm is as fast as oneDNN's, whose fixed cost per call
+# is larger (benchmarks/bench_cpu_gemm.py: 64 x 128 x 256 gains, 64 x 128 x 128 does not).
+MIN_ONEDNN_MACS = 1 << 21
+
+
+@functools.cache
+def _onednn_mm():
+    """``torch.ops.klear.onednn_mm`` where the extension has it, this CPU runs it (ATen's
+    oneDNN fp32 matmul wants AVX-512 or AVX-NE-CONVERT) and ``KLEAR_CPU_GEMM`` allows it
+    (``onednn``, the default; ``mkl`` keeps torch's sgemm); else None."""
+    choice = os.environ.get(CPU_GEMM_ENV) or "onednn"
+    if choice not in CPU_GEMMS:
+        raise ValueError(f"{CPU_GEMM_ENV}={choice!r} names no CPU GEMM: use one of "
+                         f"{', '.join(CPU_GEMMS)} or unset it")
+    if choice == "mkl":
+        return None
+    try:
+        from megatron_klear import _C
+    except ImportError:
+        return None
+    if not getattr(_C, "onednn_gemm", False):
+        return None
+    try:
+        torch.ops.klear.onednn_mm(torch.ones(1, 1), torch.ones(1, 1))
+    except RuntimeError:  # e.g. "mkldnn_matmul bf16 path needs the cpu support avx512bw..."
+        return None
+    return torch.ops.klear.onednn_mm
+
+
+def cpu_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b`` through oneDNN for fp32 CPU operands ``a`` [..., m, k] and ``b`` [k, n] of at
+    least MIN_ONEDNN_MACS multiply-adds, outside autograd; None where that does not apply
+    (the caller runs torch's matmul). torch's fp32 matmul is MKL's sgemm, which runs its AVX2
+    code on AMD CPUs with AVX-512 at half of oneDNN's speed there (csrc/cpu/onednn_gemm.h)."""
+    if (not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or b.dim() != 2
+            or a.dim() < 2 or a.dtype != torch.float32 or b.dtype != torch.float32
+            or a.device.type != "cpu" or b.device.type != "cpu"
+            or a.numel() * b.shape[1] < MIN_ONEDNN_MACS or a.shape[-1] == 0):
+        return None
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return None
+    mm = _onednn_mm()
+    if mm is None:
+        return None
+    return mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[1])
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through :func:`cpu_matmul` where it applies."""
+    out = cpu_matmul(x, weight.t())
+    if out is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return out if bias is None else out.add_(bias)
+
+
+def _keep_freed_memory() -> None:
+    """Keep freed host memory in this process (glibc's malloc; elsewhere a no-op).
+
+    By default glibc serves a large allocation with a fresh mapping, unmaps it on free and
+    trims the heap, so a CPU training step faults its activations' pages in anew and the
+    kernel zeroes every one of them: ``perf`` put 21-29% of a 2-rank step in
+    ``clear_page_erms`` with oneDNN's GEMMs (3% with MKL's, whose buffers it caches). A fixed
+    mapping threshold of 32 MB (glibc's largest) and a 1 GB trim threshold keep the memory
+    for reuse."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 @dataclass(frozen=True)
 class Platform:
     """What :func:`setup` chose."""
@@ -601,6 +686,8 @@ def setup() -> Platform:
         return _STATE["platform"]
     emulated = not cuda_available()
     if emulated:
+        _onednn_mm()  # a bad KLEAR_CPU_GEMM fails here, before anything is built
+        _keep_freed_memory()
         # megatron's RNG tracker warns whenever its "CUDA" generator, here the CPU one, moves
         logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
         _patch_cuda_module()

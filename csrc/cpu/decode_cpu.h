@@ -1,8 +1,7 @@
 // The embedded rollout server's decode kernels (megatron_klear/rollout/qwen3_decode.py), where
 // a tiny model's step is per-op overhead in torch.
 //
-// rms_norm: Qwen3RMSNorm of each row (fp32), one pass instead of the eight ops of torch's CPU
-// rms_norm.
+// rms_norm (rms_norm_cpu.h): Qwen3RMSNorm of each row (fp32).
 //
 // qk_norm_rope: Qwen3's per-head RMSNorm of the queries or keys followed by the rotary
 // embedding (transformers' q_norm/k_norm and apply_rotary_pos_emb, non-interleaved halves), one
@@ -21,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/rms_norm_cpu.h"
 #include "cpu/vocab_logprobs_cpu.h"
 
 namespace klear::cpu {
@@ -156,17 +156,6 @@ inline void decode_attention(const float* q, const float* kt, const float* v, co
   }
 }
 
-// out = x / sqrt(mean(x^2) + eps) * weight over one row of `dim` (Qwen3RMSNorm in fp32).
-KLEAR_INLINE void rms_norm_row(const float* x, const float* weight, int64_t dim, float eps,
-                               float* out) {
-  float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t j = 0; j < dim; ++j) ss += x[j] * x[j];
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-#pragma omp simd
-  for (int64_t j = 0; j < dim; ++j) out[j] = x[j] * r * weight[j];
-}
-
 // out[row, head] = rope(rmsnorm(x[row, head]) * weight) with the row's cos/sin [dim]:
 // n = x / sqrt(mean(x^2) + eps) * weight; out[j] = n[j] cos[j] - n[j + h] sin[j] (j < h),
 // n[j] cos[j] + n[j - h] sin[j] (j >= h), h = dim / 2. x rows `x_row` apart, heads `x_head`
@@ -188,10 +177,6 @@ KLEAR_INLINE void norm_rope_head(const float* x, const float* weight, const floa
                                  const float* sin, int64_t dim, float eps, float* n,             \
                                  float* out) {                                                    \
     norm_rope_head(x, weight, cos, sin, dim, eps, n, out);                                        \
-  }                                                                                               \
-  attr void rms_norm_row_##isa(const float* x, const float* weight, int64_t dim, float eps,      \
-                               float* out) {                                                      \
-    rms_norm_row(x, weight, dim, eps, out);                                                       \
   }
 KLEAR_NORM_ROPE_KERNEL(avx2, KLEAR_AVX2)
 KLEAR_NORM_ROPE_KERNEL(avx512, KLEAR_AVX512)
@@ -209,38 +194,8 @@ inline void qk_norm_rope(const float* x, int64_t x_row, int64_t x_head, const fl
       const int64_t row = i / heads, head = i % heads;
       const float* xi = x + row * x_row + head * x_head;
       const float *c = cos + row * trig_row, *s = sin + row * trig_row;
-      float* o = out + i * dim;
-#if KLEAR_X86_DISPATCH
-      if (cpu_isa() >= Isa::kAvx512) {
-        norm_rope_head_avx512(xi, weight, c, s, dim, eps, n.data(), o);
-        continue;
-      }
-      if (cpu_isa() == Isa::kAvx2) {
-        norm_rope_head_avx2(xi, weight, c, s, dim, eps, n.data(), o);
-        continue;
-      }
-#endif
-      norm_rope_head(xi, weight, c, s, dim, eps, n.data(), o);
+      KLEAR_ISA_CALL(norm_rope_head, xi, weight, c, s, dim, eps, n.data(), out + i * dim);
     }
-  }
-}
-
-// out [rows, dim] contiguous; x rows `x_row` apart.
-inline void rms_norm(const float* x, int64_t x_row, const float* weight, int64_t rows,
-                     int64_t dim, float eps, float* out) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < rows; ++i) {
-#if KLEAR_X86_DISPATCH
-    if (cpu_isa() >= Isa::kAvx512) {
-      rms_norm_row_avx512(x + i * x_row, weight, dim, eps, out + i * dim);
-      continue;
-    }
-    if (cpu_isa() == Isa::kAvx2) {
-      rms_norm_row_avx2(x + i * x_row, weight, dim, eps, out + i * dim);
-      continue;
-    }
-#endif
-    rms_norm_row(x + i * x_row, weight, dim, eps, out + i * dim);
   }
 }
 

@@ -20,11 +20,14 @@ import torch
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_klear.ops.rms_norm import rms_norm
+
 __all__ = ["RMSNorm", "norm_specs"]
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm built on the model's device and dtype, with megatron's SP weight marker."""
+    """torch RMSNorm built on the model's device and dtype, with megatron's SP weight marker;
+    its forward is :func:`megatron_klear.ops.rms_norm.rms_norm` (fused CPU kernels)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6,
                  sequence_parallel_weight: bool = True, **_unused) -> None:
@@ -32,6 +35,9 @@ class RMSNorm(torch.nn.RMSNorm):
                          dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel and
                                              sequence_parallel_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 def norm_specs() -> tuple[ModuleSpec, ModuleSpec]:
