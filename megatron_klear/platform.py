@@ -641,15 +641,6 @@ def cpu_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[1])
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through :func:`cpu_matmul` where it applies."""
-    out = cpu_matmul(x, weight.t())
-    if out is None:
-        return torch.nn.functional.linear(x, weight, bias)
-    return out if bias is None else out.add_(bias)
-
-
 def _keep_freed_memory() -> None:
     """Keep freed host memory in this process (glibc's malloc; elsewhere a no-op).
 

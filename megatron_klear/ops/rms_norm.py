@@ -43,4 +43,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
              and policy_loss._extension_ops() is not None)
     if not fused:
         return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
-    return _FusedRMSNorm.apply(x, weight, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _FusedRMSNorm.apply(x, weight, eps)
+    # no graph to record (the decode): the kernel alone, without autograd's per-call cost
+    return policy_loss._extension_ops().rms_norm(x.reshape(-1, x.shape[-1]), weight,
+                                                 eps).view(x.shape)

@@ -24,7 +24,6 @@ import functools
 
 import torch
 
-from megatron_klear import platform
 from megatron_klear.ops.rms_norm import rms_norm
 
 __all__ = ["KVCache", "check_supported", "forward", "grouped_attention"]
@@ -166,7 +165,7 @@ def _queries_keys(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
     model in one ``klear::qk_norm_rope`` pass per tensor."""
     b, t = x.shape[:2]
     d = attn.head_dim
-    q, k = _linear(attn.q_proj, x), _linear(attn.k_proj, x)
+    q, k = attn.q_proj(x), attn.k_proj(x)
     kernel = _kernel("qk_norm_rope") if _on_kernels(x) else None
     if kernel is None:
         from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
@@ -202,24 +201,10 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
         attn = layer.self_attn
         x = _norm(layer.input_layernorm, hidden)
         q, k = _queries_keys(attn, x, cos, sin)
-        v = _linear(attn.v_proj, x).view(b, t, -1, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, -1, attn.head_dim).transpose(1, 2)
         cache.append(i, k, v)
-        hidden = hidden + _linear(attn.o_proj, cache.attend(i, q, mask, attn.scaling))
-        hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden))
+        hidden = hidden + attn.o_proj(cache.attend(i, q, mask, attn.scaling))
+        hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
     cache.length += t
     hidden = _norm(inner.norm, hidden if all_logits else hidden[:, -1:])
-    return _linear(model.lm_head, hidden).float()
-
-
-def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, its GEMM through oneDNN where :func:`platform.cpu_linear` applies
-    (fp32 CPU, enough rows)."""
-    return platform.cpu_linear(x, module.weight, module.bias)
-
-
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' Qwen3MLP, ``down(act(gate(x)) * up(x))``, over :func:`_linear`; a sparse
-    MoE block runs its own forward."""
-    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        return mlp(x)
-    return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    return model.lm_head(hidden).float()
