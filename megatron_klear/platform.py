@@ -12,6 +12,9 @@ dist_checkpointing) runs on CPU under gloo:
 * no-argument ``Tensor.type()`` reporting a cuda type name (megatron's grad clipping asserts it);
 * the mode re-entered in custom autograd ``Function.backward`` and tensor hooks, which autograd
   runs with an empty mode stack (megatron's activation recompute re-runs the forward there);
+* fp32 matmuls of megatron's linear layers sent to oneDNN (:func:`cpu_matmul`; torch's MKL
+  sgemm runs its AVX2 code on AMD CPUs), and freed host memory kept in the process
+  (:func:`_keep_freed_memory`);
 * two MoE shims (:func:`_patch_megatron_moe`): the router GEMM without Transformer Engine,
   and the all-to-all token dispatcher's split sizes as numpy arrays, as on GPU; and the
   precision-aware optimizer's TE version check without TE (:func:`_patch_megatron_optimizer_config`,
@@ -606,8 +609,10 @@ def _onednn_mm():
     (``onednn``, the default; ``mkl`` keeps torch's sgemm); else None."""
     choice = os.environ.get(CPU_GEMM_ENV) or "onednn"
     if choice not in CPU_GEMMS:
-        raise ValueError(f"{CPU_GEMM_ENV}={choice!r} names no CPU GEMM: use one of "
-                         f"{', '.join(CPU_GEMMS)} or unset it")
+        from megatron_klear.config import ConfigError  # the CLIs' one-line exit 2
+
+        raise ConfigError(f"{CPU_GEMM_ENV}={choice!r} names no CPU GEMM: use one of "
+                          f"{', '.join(CPU_GEMMS)} or unset it")
     if choice == "mkl":
         return None
     try:
