@@ -602,18 +602,25 @@ CPU_GEMMS = ("onednn", "mkl")
 MIN_ONEDNN_MACS = 1 << 21
 
 
-@functools.cache
-def _onednn_mm():
-    """``torch.ops.klear.onednn_mm`` where the extension has it, this CPU runs it (ATen's
-    oneDNN fp32 matmul wants AVX-512 or AVX-NE-CONVERT) and ``KLEAR_CPU_GEMM`` allows it
-    (``onednn``, the default; ``mkl`` keeps torch's sgemm); else None."""
+def cpu_gemm_choice() -> str:
+    """``KLEAR_CPU_GEMM``: ``onednn`` (the default) or ``mkl`` (torch's sgemm); another value
+    raises ConfigError, which the trainers' preflight turns into exit 2 before anything is
+    built, in ``--dry-run`` as in the run."""
     choice = os.environ.get(CPU_GEMM_ENV) or "onednn"
     if choice not in CPU_GEMMS:
-        from megatron_klear.config import ConfigError  # the CLIs' one-line exit 2
+        from megatron_klear.config import ConfigError
 
         raise ConfigError(f"{CPU_GEMM_ENV}={choice!r} names no CPU GEMM: use one of "
                           f"{', '.join(CPU_GEMMS)} or unset it")
-    if choice == "mkl":
+    return choice
+
+
+@functools.cache
+def _onednn_mm():
+    """``torch.ops.klear.onednn_mm`` where the extension has it, this CPU runs it (ATen's
+    oneDNN fp32 matmul wants AVX-512 or AVX-NE-CONVERT) and :func:`cpu_gemm_choice` allows
+    it; else None."""
+    if cpu_gemm_choice() == "mkl":
         return None
     try:
         from megatron_klear import _C

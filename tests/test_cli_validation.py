@@ -174,6 +174,21 @@ def test_other_bad_rl_inputs_exit_2_with_one_line(inputs, capsys, flags, wants, 
                                          inputs["good"], *flags, *extra], wants, capsys)
 
 
+def test_bad_cpu_gemm_variable_exits_2_with_one_line(inputs, capsys, monkeypatch):
+    """KLEAR_CPU_GEMM (platform.cpu_gemm_choice) is checked in the preflight of both
+    trainers, dry run and real run, before anything is built."""
+    from megatron_klear.train import rl, sft
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("KLEAR_CPU_GEMM", "blas")
+    wants = "KLEAR_CPU_GEMM='blas' names no CPU GEMM: use one of onednn, mkl"
+    for extra in (["--dry-run"], []):
+        _exits_2_with_one_line(rl.main, ["--hf-checkpoint", inputs["dense"], "--prompt-data",
+                                         inputs["good"], *extra], wants, capsys)
+        _exits_2_with_one_line(sft.main, ["--hf-checkpoint", inputs["dense"], "--data-path",
+                                          inputs["sft_torn"], *extra], wants, capsys)
+
+
 @pytest.mark.parametrize("style", ["constant", "cosine", "linear"])
 def test_warmup_against_decay_steps_for_every_style(style):
     """megatron-core's OptimizerParamScheduler asserts warm-up < decay steps whatever the

@@ -22,6 +22,7 @@ import json
 import os
 from pathlib import Path
 
+from megatron_klear import platform
 from megatron_klear.config import TrainConfig, to_dict
 from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import Qwen3Arch, check_parallel_layout, load_hf_config, \
@@ -58,6 +59,7 @@ def preflight(cfg: TrainConfig) -> Qwen3Arch | None:
     """Check a parsed config against the launch, the model and the files on this machine,
     then derive the model-dependent values; returns the architecture (None: see
     :func:`model_arch`). Raises ConfigError / DataError naming the flag or FILE:LINE."""
+    platform.cpu_gemm_choice()  # the one environment variable the CPU path reads
     cfg.data_parallel_size(launch_world_size(cfg, cfg.dry_run))
     arch = model_arch(cfg, required=not cfg.dry_run)
     cfg.check_inputs(arch)
