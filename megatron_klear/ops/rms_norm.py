@@ -38,13 +38,12 @@ class _FusedRMSNorm(torch.autograd.Function):
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of ``x`` over its last dimension, scaled by ``weight``: the fused kernels for
     fp32 CPU tensors, torch's ``F.rms_norm`` otherwise."""
-    fused = (x.dtype == torch.float32 and weight.dtype == torch.float32
-             and x.device.type == "cpu" and weight.device.type == "cpu" and x.stride(-1) == 1
-             and policy_loss._extension_ops() is not None)
-    if not fused:
+    ops = policy_loss._extension_ops() if (
+        x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+        and weight.device.type == "cpu" and x.stride(-1) == 1) else None
+    if ops is None:
         return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _FusedRMSNorm.apply(x, weight, eps)
     # no graph to record (the decode): the kernel alone, without autograd's per-call cost
-    return policy_loss._extension_ops().rms_norm(x.reshape(-1, x.shape[-1]), weight,
-                                                 eps).view(x.shape)
+    return ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
