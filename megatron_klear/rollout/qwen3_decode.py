@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from megatron_klear.ops.rms_norm import rms_norm
 
@@ -158,25 +159,40 @@ class KVCache:
         self.bias = self.bias.index_select(0, index)
 
 
-def _queries_keys(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's queries and keys [b, heads, t, d] of ``x`` [b, t, hidden]: projected, each
-    head RMS-normed (q_norm / k_norm) and rotated (``apply_rotary_pos_emb``), for an fp32 CPU
-    model in one ``klear::qk_norm_rope`` pass per tensor."""
-    b, t = x.shape[:2]
-    d = attn.head_dim
-    q, k = attn.q_proj(x), attn.k_proj(x)
+def _attention_inputs(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
+    """The layer's queries, keys and values [b, heads, t, d] of ``x`` [b * t, hidden]:
+    projected, queries and keys each head RMS-normed (q_norm / k_norm) and rotated
+    (``apply_rotary_pos_emb``; ``cos``/``sin`` [b, t, d]), for an fp32 CPU model in one
+    ``klear::qk_norm_rope`` pass per tensor."""
+    t, d = x.shape[0] // b, attn.head_dim
+    q, k, v = (_linear(proj, x).view(b, t, -1, d)
+               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
     kernel = _kernel("qk_norm_rope") if _on_kernels(x) else None
     if kernel is None:
         from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-        q, k = (_norm(norm, y.view(b, t, -1, d)).transpose(1, 2)
-                for norm, y in ((attn.q_norm, q), (attn.k_norm, k)))
-        return apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = (_norm(norm, y).transpose(1, 2) for norm, y in ((attn.q_norm, q), (attn.k_norm, k)))
+        return (*apply_rotary_pos_emb(q, k, cos, sin), v.transpose(1, 2))
     cos, sin = cos.reshape(b * t, d), sin.reshape(b * t, d)
-    return tuple(kernel(y.view(b * t, -1, d), norm.weight, cos, sin, norm.variance_epsilon)
-                 .view(b, t, -1, d).transpose(1, 2)
-                 for norm, y in ((attn.q_norm, q), (attn.k_norm, k)))
+    q, k = (kernel(y.view(b * t, -1, d), norm.weight, cos, sin, norm.variance_epsilon)
+            .view(b, t, -1, d).transpose(1, 2) for norm, y in ((attn.q_norm, q), (attn.k_norm, k)))
+    return q, k, v.transpose(1, 2)
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An ``nn.Linear`` of the model applied as ``F.linear``: a decode step makes ~30 such
+    calls, and the module call costs more than a 64-row projection of a tiny model."""
+    return F.linear(x, module.weight, module.bias)
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP: transformers' ``Qwen3MLP`` (``down(act(gate(x)) * up(x))``) through
+    :func:`_linear`; a sparse-MoE block is called as the module (its router hooks record
+    routed experts)."""
+    if not hasattr(mlp, "gate_proj"):
+        return mlp(x[None])[0]  # a batch of one sequence: the block routes each token alone
+    return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
 
 
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -197,14 +213,15 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
     mask = cache.mask(t)
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
+    hidden = hidden.view(b * t, -1)  # the projections see 2-D token rows
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        x = _norm(layer.input_layernorm, hidden)
-        q, k = _queries_keys(attn, x, cos, sin)
-        v = attn.v_proj(x).view(b, t, -1, attn.head_dim).transpose(1, 2)
+        q, k, v = _attention_inputs(attn, _norm(layer.input_layernorm, hidden), cos, sin, b)
         cache.append(i, k, v)
-        hidden = hidden + attn.o_proj(cache.attend(i, q, mask, attn.scaling))
-        hidden = hidden + layer.mlp(_norm(layer.post_attention_layernorm, hidden))
+        attended = cache.attend(i, q, mask, attn.scaling).view(b * t, -1)
+        hidden = hidden + _linear(attn.o_proj, attended)
+        hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden))
     cache.length += t
+    hidden = hidden.view(b, t, -1)
     hidden = _norm(inner.norm, hidden if all_logits else hidden[:, -1:])
-    return model.lm_head(hidden).float()
+    return _linear(model.lm_head, hidden).float()
