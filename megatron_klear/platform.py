@@ -14,7 +14,7 @@ dist_checkpointing) runs on CPU under gloo:
   runs with an empty mode stack (megatron's activation recompute re-runs the forward there);
 * fp32 matmuls of megatron's linear layers sent to oneDNN (:func:`cpu_matmul`; torch's MKL
   sgemm runs its AVX2 code on AMD CPUs), and freed host memory kept in the process
-  (:func:`_keep_freed_memory`);
+  (:func:`megatron_klear.heap.keep_freed_memory`);
 * two MoE shims (:func:`_patch_megatron_moe`): the router GEMM without Transformer Engine,
   and the all-to-all token dispatcher's split sizes as numpy arrays, as on GPU; and the
   precision-aware optimizer's TE version check without TE (:func:`_patch_megatron_optimizer_config`,
@@ -51,7 +51,6 @@ written as if on GPU. :func:`setup` is idempotent.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -65,6 +64,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from megatron_klear.heap import keep_freed_memory
 
 __all__ = ["Platform", "setup", "cuda_available", "device", "backend", "batch_p2p_comm",
            "is_emulated", "host_only_section", "host_collective", "is_virtual_cuda", "share_memory",
@@ -653,24 +654,6 @@ def cpu_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[1])
 
 
-def _keep_freed_memory() -> None:
-    """Keep freed host memory in this process (glibc's malloc; elsewhere a no-op).
-
-    By default glibc serves a large allocation with a fresh mapping, unmaps it on free and
-    trims the heap, so a CPU training step faults its activations' pages in anew and the
-    kernel zeroes every one of them: ``perf`` put 21-29% of a 2-rank step in
-    ``clear_page_erms`` with oneDNN's GEMMs (3% with MKL's, whose buffers it caches). A fixed
-    mapping threshold of 32 MB (glibc's largest) and a 1 GB trim threshold keep the memory
-    for reuse."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    libc.mallopt(m_mmap_threshold, 32 << 20)
-    libc.mallopt(m_trim_threshold, 1 << 30)
-
-
 @dataclass(frozen=True)
 class Platform:
     """What :func:`setup` chose."""
@@ -690,7 +673,7 @@ def setup() -> Platform:
     emulated = not cuda_available()
     if emulated:
         _onednn_mm()  # a bad KLEAR_CPU_GEMM fails here, before anything is built
-        _keep_freed_memory()
+        keep_freed_memory()
         # megatron's RNG tracker warns whenever its "CUDA" generator, here the CPU one, moves
         logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
         _patch_cuda_module()

@@ -65,7 +65,7 @@ import torch
 from aiohttp import web
 
 from megatron_klear.config import OneLineParser
-from megatron_klear.heap import freeze_startup_heap
+from megatron_klear.heap import freeze_startup_heap, keep_freed_memory
 from megatron_klear.orphans import exit_when_orphaned
 from megatron_klear.rollout.client import encode_routed_experts
 from megatron_klear.rollout.generator import Generator, Sequence
@@ -666,6 +666,7 @@ def main(argv: list[str] | None = None) -> None:
     exit_when_orphaned()  # also when the launcher's parent-death signal cannot fire
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(max(1, args.num_threads))
+    keep_freed_memory()  # a decode batch's KV cache reuses the last one's pages
     generator = _load_generator(args)
     freeze_startup_heap()
     asyncio.run(_serve(args, generator))
