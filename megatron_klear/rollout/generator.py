@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from megatron_klear.rollout.qwen3_decode import KVCache, check_supported, forward
-from megatron_klear.rollout.sampling import (SamplingParams, find_stop_string, sample_next,
-                                             seeded_uniforms, token_logprobs)
+from megatron_klear.rollout.sampling import (RowSettings, SamplingParams, find_stop_string,
+                                             sample_next, seeded_uniforms, token_logprobs)
 
 __all__ = ["Sequence", "Generator"]
 
@@ -72,6 +72,26 @@ def expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             views[f"{name}.{e}.up_proj.weight"] = gate_up.data[e, inter:]
             views[f"{name}.{e}.down_proj.weight"] = down.data[e]
     return views
+
+
+class _Draws:
+    """The uniform draws of a decode batch, one per request row per step, finished or not (so
+    a row's draws do not depend on when others finish): from the server's stream, or for a
+    seeded sequence from (seed, position) only, like SGLang's ``multinomial_with_seed``
+    (sglang/srt/layers/sampler.py), so it does not depend on the batch or server."""
+
+    def __init__(self, seqs: list[Sequence], generator: torch.Generator) -> None:
+        self.seqs, self.generator = seqs, generator
+        self.seeded = [i for i, s in enumerate(seqs) if s.seed is not None]
+        self.seeds = torch.tensor([seqs[i].seed % 2**63 for i in self.seeded], dtype=torch.long)
+
+    def next(self) -> torch.Tensor:
+        out = torch.rand(len(self.seqs), generator=self.generator, dtype=torch.float64)
+        if self.seeded:
+            pos = torch.tensor([len(self.seqs[i].prompt_ids) + len(self.seqs[i].output_ids)
+                                for i in self.seeded])
+            out[self.seeded] = seeded_uniforms(self.seeds, pos)
+        return out
 
 
 class Generator:
@@ -158,7 +178,7 @@ class Generator:
         for s in seqs:
             if s.cfg.max_new_tokens == 0:
                 self._finish(s, {"type": "length", "length": 0})
-        temps = torch.tensor([s.cfg.temperature for s in seqs], dtype=torch.float32)
+        settings, draws = RowSettings.of([s.cfg for s in seqs]), _Draws(seqs, self.generator)
         live, rows = list(seqs), torch.arange(len(seqs))  # the cache's rows: unfinished ones
         while any(s.finish_reason is None for s in seqs):
             running.wait()
@@ -169,8 +189,8 @@ class Generator:
                 retract.clear()
                 _, logits, pos, cache = self._prefill(live)
                 last = logits[:, -1]
-            # one draw per request of the batch, finished or not, as before rows left
-            self._step(live, token_logprobs(last, temps[rows]), self._uniforms(seqs)[rows])
+            self._step(live, settings, token_logprobs(last, settings.temperature),
+                       draws.next()[rows])
             if all(s.finish_reason is not None for s in seqs):
                 break
             keep = [i for i, s in enumerate(live) if s.finish_reason is None]
@@ -178,6 +198,7 @@ class Generator:
                 index = torch.tensor(keep)
                 cache.select(index)
                 live, rows, pos = [live[i] for i in keep], rows[index], pos[index]
+                settings = settings.select(index)
             nxt = torch.tensor([[s.output_ids[-1] if s.output_ids else 0] for s in live])
             pos = pos + 1
             last = self._forward(nxt, pos, cache)[:, -1]
@@ -239,9 +260,9 @@ class Generator:
             targets = ids[row, start + 1:]
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()
 
-    def _step(self, seqs: list[Sequence], logprobs: torch.Tensor, uniforms: torch.Tensor
-              ) -> None:
-        tokens = sample_next(logprobs, [s.cfg for s in seqs], uniforms)
+    def _step(self, seqs: list[Sequence], settings: RowSettings, logprobs: torch.Tensor,
+              uniforms: torch.Tensor) -> None:
+        tokens = sample_next(logprobs, settings, uniforms)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         for s, tok, lp in zip(seqs, tokens.tolist(), chosen):
             if s.finish_reason is not None:
@@ -249,19 +270,6 @@ class Generator:
             s.output_ids.append(tok)
             s.logprobs.append(lp)
             self._check_stop(s, tok)
-
-    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One draw per row: from the server's stream, or for a seeded sequence from (seed,
-        position) only, like SGLang's ``multinomial_with_seed`` (sglang/srt/layers/sampler.py),
-        so it does not depend on the batch or server."""
-        out = torch.rand(len(seqs), generator=self.generator, dtype=torch.float64)
-        seeded = [i for i, s in enumerate(seqs) if s.seed is not None]
-        if seeded:
-            seeds = torch.tensor([seqs[i].seed % 2**63 for i in seeded])
-            pos = torch.tensor([len(seqs[i].prompt_ids) + len(seqs[i].output_ids)
-                                for i in seeded])
-            out[seeded] = seeded_uniforms(seeds, pos)
-        return out
 
     def _check_stop(self, s: Sequence, tok: int) -> None:
         if (tok in self.eos_ids and not s.cfg.ignore_eos) or tok in s.cfg.stop_token_ids:

@@ -10,6 +10,7 @@ distribution (temperature 1), as SGLang does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -155,22 +156,53 @@ def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return torch.from_numpy(bits.astype(np.float64) / 2.0**53)
 
 
-def sample_next(logprobs: torch.Tensor, configs: list[SamplingParams],
+@dataclass(frozen=True)
+class RowSettings:
+    """The sampling settings of a decode batch's rows as tensors, built once per batch: a
+    decode step rebuilding them from the requests' params spent ~40 us of the ~1.7 ms a step
+    of the tiny model takes. :meth:`select` keeps rows as the batch drops finished ones."""
+
+    temperature: torch.Tensor
+    greedy: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @classmethod
+    def of(cls, configs: list[SamplingParams]) -> "RowSettings":
+        return cls(torch.tensor([float(c.temperature) for c in configs], dtype=torch.float32),
+                   torch.tensor([c.greedy for c in configs], dtype=torch.bool),
+                   torch.tensor([c.top_k for c in configs], dtype=torch.long),
+                   torch.tensor([float(c.top_p) for c in configs], dtype=torch.float32))
+
+    def select(self, index: torch.Tensor) -> "RowSettings":
+        return RowSettings(*(t[index] for t in (self.temperature, self.greedy, self.top_k,
+                                                self.top_p)))
+
+    @functools.cached_property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+    @functools.cached_property
+    def filtered(self) -> bool:
+        """Some row samples from a top-k or top-p filtered distribution."""
+        return bool((self.top_k > 0).any() or (self.top_p < 1.0).any())
+
+
+def sample_next(logprobs: torch.Tensor, rows: RowSettings | list[SamplingParams],
                 uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row, vectorised: argmax for greedy rows, else the inverse CDF of the
-    row's top-k/top-p filtered distribution at that row's uniform draw ``uniforms[row]``."""
-    greedy = torch.tensor([c.greedy for c in configs])
+    row's top-k/top-p filtered distribution at that row's uniform draw ``uniforms[row]``
+    (``rows``: the rows' settings, or their params)."""
+    rows = rows if isinstance(rows, RowSettings) else RowSettings.of(rows)
     tokens = logprobs.argmax(-1)
-    if bool(greedy.all()):
+    if rows.all_greedy:
         return tokens
-    top_k = torch.tensor([c.top_k for c in configs])
-    top_p = torch.tensor([float(c.top_p) for c in configs], dtype=logprobs.dtype)
-    if bool((top_k > 0).any() or (top_p < 1.0).any()):
-        logprobs = filter_top_k_top_p(logprobs, top_k, top_p)
+    if rows.filtered:
+        logprobs = filter_top_k_top_p(logprobs, rows.top_k, rows.top_p.to(logprobs.dtype))
     cdf = logprobs.double().exp().cumsum(-1)
     target = (uniforms.double() * cdf[:, -1])[:, None]
     drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logprobs.shape[-1] - 1)
-    return torch.where(greedy, tokens, drawn)
+    return torch.where(rows.greedy, tokens, drawn)
 
 
 def find_stop_string(text: str, stops: list[str]) -> tuple[int, str] | None:
