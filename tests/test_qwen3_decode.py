@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_klear.models.tiny import save_tiny_hf_model
+from megatron_klear.rollout import qwen3_decode
 from megatron_klear.rollout.qwen3_decode import KVCache, check_supported, forward
 
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2], [8, 8, 19, 60, 11]]
@@ -36,7 +37,12 @@ def _reference_logits(model, ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
-def test_prefill_and_decode_match_transformers(model):
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_prefill_and_decode_match_transformers(model, kernels, monkeypatch):
+    """With the extension's kernels (fp32 CPU) and with the torch path that bf16 and CUDA
+    models take."""
+    if not kernels:
+        monkeypatch.setattr(qwen3_decode, "_kernel", lambda name: None)
     width = max(map(len, PROMPTS))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     valid = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
