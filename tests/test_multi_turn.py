@@ -15,7 +15,7 @@ from megatron_klear.models.tiny import build_tokenizer
 from megatron_klear.rewards.sandbox import SandboxLimits
 from megatron_klear.rollout.client import Generation, SamplingParams
 from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError, \
-    generate_tool_turns, tool_response_ids
+    generate_tool_turns, sampled_turn_end, tool_response_ids
 from megatron_klear.rollout.pipeline import RolloutContext, Sample, score_samples
 from megatron_klear.rollout.tools import PYTHON_SCHEMA, python_tool
 from megatron_klear.train.rl_data import RolloutBatch, rollout_stats
@@ -357,3 +357,24 @@ def test_loss_aggregation_counts_only_the_trained_tokens(monkeypatch):
     plain = rl_loss.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
                                        [0, 1])
     assert plain[:2] == (7.0, 5.0)
+
+
+def test_a_turn_stopped_on_a_token_that_spells_the_turn_ends_start_is_content():
+    """A stop list may end a turn on '<' (real SGLang did, in the interop test with every even
+    id a stop token): that '<' is the model's text, not the template's '<|im_end|>', and the
+    tool responses follow the turn the template closes after it. The turn-end token itself
+    is still recognised."""
+    tok = _tokenizer()
+    turn_end = "<|im_end|>\n"
+    lt = tok("<", add_special_tokens=False)["input_ids"]
+    im_end = tok("<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert len(lt) == len(im_end) == 1 and lt != im_end
+    assert sampled_turn_end(tok, [5] + lt, "stop", turn_end) == ""
+    assert sampled_turn_end(tok, [5] + im_end, "stop", turn_end) == "<|im_end|>"
+    assert sampled_turn_end(tok, [5] + im_end, "length", turn_end) == ""
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "p<"}]
+    glue = tool_response_ids(tok, msgs, [{"role": "tool", "content": "1"}], "", None)
+    assert tok.decode(glue, skip_special_tokens=False).startswith("<|im_end|>")
+    with pytest.raises(ToolTemplateError, match="spans the end of the assistant turn"):
+        tool_response_ids(tok, msgs[:1] + [{"role": "assistant", "content": "p"}],
+                          [{"role": "tool", "content": "1"}], "<", None)

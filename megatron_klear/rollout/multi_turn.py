@@ -40,7 +40,7 @@ from megatron_klear.rollout.tool_calls import ParsedTurn, ToolCall, ToolParser, 
 from megatron_klear.rollout.tools import Tool, ToolResult, run_tool_call
 
 __all__ = ["MultiTurnConfig", "Trajectory", "generate_tool_turns", "tool_response_ids",
-           "check_tool_template", "turn_request_seed", "ToolTemplateError", "STOP_REASONS"]
+           "sampled_turn_end", "check_tool_template", "turn_request_seed", "ToolTemplateError", "STOP_REASONS"]
 
 # why a trajectory ended: the model answered without a call; the turn limit; the response
 # token budget; the engine cut a turn at its token limit ("length") or aborted it
@@ -160,6 +160,17 @@ def tool_response_ids(tokenizer: Any, messages: list[dict], tool_messages: list[
     return full[len(head):]
 
 
+def sampled_turn_end(tokenizer: Any, ids: list[int], finish_reason: str, turn_end: str) -> str:
+    """The text of a turn's last sampled token when that token is the one the template's turn
+    end ``turn_end`` starts with (Qwen3: the stop token ``<|im_end|>``), else "". Compared as
+    token ids: a content token that merely spells the start of ``turn_end`` (a ``<`` that a
+    stop list ends the turn on) is the model's text, and the template closes the turn after
+    it."""
+    if finish_reason != "stop" or not ids or _encode(tokenizer, turn_end)[:1] != ids[-1:]:
+        return ""
+    return tokenizer.decode(ids[-1:], skip_special_tokens=False)
+
+
 def _turn_end_text(tokenizer: Any, tools: list[dict] | None) -> str:
     """The text the template closes an assistant turn with (Qwen3: '<|im_end|>\\n')."""
     probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
@@ -220,9 +231,8 @@ def _take_turn(ctx: RolloutContext, cfg: MultiTurnConfig, r: _Rollout, gen: Any,
     s.finish_reason = gen.finish_reason
     traj.turn_spans.append((start, len(s.response_ids)))
     ids = list(gen.output_ids)
-    last = ctx.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ids else ""
-    ends_turn = gen.finish_reason == "stop" and bool(last) and turn_end.startswith(last)
-    r.sampled_end = last if ends_turn else ""
+    r.sampled_end = sampled_turn_end(ctx.tokenizer, ids, gen.finish_reason, turn_end)
+    ends_turn = bool(r.sampled_end)
     content = ctx.tokenizer.decode(ids[:-1] if ends_turn else ids, skip_special_tokens=False)
     traj.messages.append({"role": "assistant", "content": content})
     parsed: ParsedTurn = cfg.parser(content)
