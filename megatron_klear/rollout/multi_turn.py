@@ -40,7 +40,8 @@ from megatron_klear.rollout.tool_calls import ParsedTurn, ToolCall, ToolParser, 
 from megatron_klear.rollout.tools import Tool, ToolResult, run_tool_call
 
 __all__ = ["MultiTurnConfig", "Trajectory", "generate_tool_turns", "tool_response_ids",
-           "sampled_turn_end", "check_tool_template", "turn_request_seed", "ToolTemplateError", "STOP_REASONS"]
+           "sampled_turn_end", "check_tool_template", "turn_request_seed", "ToolTemplateError",
+           "STOP_REASONS"]
 
 # why a trajectory ended: the model answered without a call; the turn limit; the response
 # token budget; the engine cut a turn at its token limit ("length") or aborted it
@@ -188,14 +189,13 @@ def check_tool_template(tokenizer: Any, cfg: MultiTurnConfig) -> None:
     takes it. Raises ToolTemplateError saying why."""
     schemas = [t.schema for t in cfg.tools.values()] or None
     turn_end = _turn_end_text(tokenizer, schemas)
-    eos = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) \
-        if tokenizer.eos_token_id is not None else ""
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     name = next(iter(cfg.tools), "tool")
     messages = [{"role": "user", "content": "q"},
                 {"role": "assistant", "content": '<tool_call>\n{"name": "' + name +
                  '", "arguments": {}}\n</tool_call>'}]
     tool_response_ids(tokenizer, messages, [{"role": "tool", "content": "1"}],
-                      eos if eos and turn_end.startswith(eos) else "", schemas)
+                      sampled_turn_end(tokenizer, eos, "stop", turn_end), schemas)
 
 
 @dataclass
