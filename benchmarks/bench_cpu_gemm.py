@@ -8,7 +8,9 @@ and 2 KV heads of 32, vocab 103) in its three products -- forward ``x @ w.t()``,
 length every call, as THD packs do: torch's matmul (MKL's sgemm) against ``klear::onednn_mm``
 (oneDNN in fixed pieces, platform.cpu_matmul), and oneDNN called whole on lengths that never
 repeat, as in a run (it builds and caches a kernel for every new length: slower here, and in a
-training process 1-15 ms per new length and unbounded memory). Then the decode's projections at 64 rows. (2) RMSNorm forward + backward
+training process 1-15 ms per new length and unbounded memory). Then the embedded server's decode
+projections at 64 rows: MKL, ``klear::onednn_mm`` and oneDNN's linear (platform.onednn_linear),
+and a whole step's, unfused through MKL against fused through oneDNN. (2) RMSNorm forward + backward
 of a pack's hidden states and q heads: torch's ``F.rms_norm`` and autograd against
 ``ops.rms_norm``. Each number is the median of 5 rounds; ``--update-docs`` writes the tables into
 docs/training.md.
@@ -77,14 +79,31 @@ def gemm_rows(tokens: int) -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def decode_rows() -> list[tuple[str, float, float]]:
-    mm = platform._onednn_mm()
+def decode_rows() -> list[tuple[str, float, float, float]]:
+    """(projection, F.linear s, onednn_mm s, oneDNN linear s) at a 64-row decode step, then
+    a whole step's projections (4 layers and lm_head): unfused through F.linear, as the
+    decode ran them before, against fused through oneDNN's linear, as it runs them now."""
+    mm, linear = platform._onednn_mm(), platform.onednn_linear()
     rows = []
     for name, (k, n) in LINEARS.items():
         x, w = torch.randn(64, k), torch.randn(n, k)
         rows.append((f"{name} (64 x {k} -> {n})",
                      _median(lambda i: torch.nn.functional.linear(x, w), 400),
-                     _median(lambda i: mm(x, w.t()), 400)))
+                     _median(lambda i: mm(x, w.t()), 400),
+                     _median(lambda i: linear(x, w), 400)))
+    x, h = torch.randn(64, 128), torch.randn(64, 256)
+    unfused = [(x, torch.randn(n, 128)) for n in (128, 64, 64, 128, 256, 256)] + \
+        [(h, torch.randn(128, 256))]
+    fused = [(x, torch.randn(256, 128)), (x, torch.randn(128, 128)), (x, torch.randn(512, 128)),
+             (h, torch.randn(128, 256))]
+    head = (x, torch.randn(103, 128))
+
+    def step(pairs, fn):
+        return lambda i: [fn(a, b) for a, b in pairs * 4 + [head]]
+    rows.append(("a step's projections: 4 x (q, k, v, o, gate, up, down) + lm_head, against "
+                 "4 x (q|k|v, o, gate|up, down) + lm_head",
+                 _median(step(unfused, torch.nn.functional.linear), 100), float("nan"),
+                 _median(step(fused, linear), 100)))
     return rows
 
 
@@ -120,11 +139,11 @@ def report(tokens: int) -> str:
         total[1] += ours
     lines.append(f"| all 15 | {total[0] * 1e6:.0f} | {total[1] * 1e6:.0f} | "
                  f"**{total[0] / total[1]:.2f}x** | |")
-    lines += ["", "| decode projection (not routed) | F.linear (MKL) us | klear::onednn_mm us | "
-              "ratio |",
-              "|---|---|---|---|"]
-    lines += [f"| {name} | {a * 1e6:.1f} | {b * 1e6:.1f} | **{a / b:.2f}x** |"
-              for name, a, b in decode_rows()]
+    lines += ["", "| decode projection, 64 rows | F.linear (MKL) us | klear::onednn_mm us | "
+              "oneDNN linear us (the decode's) | MKL / oneDNN linear |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {name} | {a * 1e6:.1f} | {b * 1e6:.1f} | {c * 1e6:.1f} | **{a / c:.2f}x** |"
+              .replace("| nan |", "| |") for name, a, b, c in decode_rows()]
     lines += ["", "| RMSNorm forward + backward | torch us | ops.rms_norm us | ratio |",
               "|---|---|---|---|"]
     lines += [f"| {name} | {a * 1e6:.0f} | {b * 1e6:.0f} | **{a / b:.1f}x** |"

@@ -12,7 +12,8 @@ import torch
 
 from megatron_klear.models.tiny import save_tiny_hf_model
 from megatron_klear.rollout import qwen3_decode
-from megatron_klear.rollout.qwen3_decode import KVCache, check_supported, forward
+from megatron_klear import platform
+from megatron_klear.rollout.qwen3_decode import FusedWeights, KVCache, check_supported, forward
 
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2], [8, 8, 19, 60, 11]]
 DECODE_STEPS = 12
@@ -37,21 +38,31 @@ def _reference_logits(model, ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
-def test_prefill_and_decode_match_transformers(model, kernels, monkeypatch):
-    """With the extension's kernels (fp32 CPU) and with the torch path that bf16 and CUDA
-    models take."""
-    if not kernels:
+@pytest.mark.parametrize("path", ["kernels", "torch", "onednn"])
+def test_prefill_and_decode_match_transformers(model, path, monkeypatch):
+    """With the extension's kernels (fp32 CPU), with the torch path that bf16 and CUDA models
+    take, and with the fused weights whose one-token steps run oneDNN's linear (fp32 CPU
+    servers; here from one row on, so that these 3-row steps take it)."""
+    fused, calls = None, []
+    if path == "torch":
         monkeypatch.setattr(qwen3_decode, "_kernel", lambda name: None)
+    if path == "onednn":
+        linear = platform.onednn_linear()
+        assert linear is not None, "this torch has no oneDNN linear (torch.ops.mkldnn)"
+        monkeypatch.setattr(qwen3_decode, "ONEDNN_MIN_ROWS", 1)
+        monkeypatch.setattr(platform, "onednn_linear",
+                            lambda: lambda *a: calls.append(1) or linear(*a))
+        fused = FusedWeights(model)
     width = max(map(len, PROMPTS))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     valid = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     positions = (valid.cumsum(-1) - 1).clamp(min=0)
     cache = KVCache(model.config, valid, torch.float32, capacity=width + 1)  # one 16-block
-    logits = forward(model, ids, positions, cache, all_logits=True)
+    logits = forward(model, ids, positions, cache, all_logits=True, fused=fused)
     for row, p in enumerate(PROMPTS):
         torch.testing.assert_close(logits[row, width - len(p):], _reference_logits(model, p),
                                    rtol=0, atol=1e-5)
+    assert not calls  # a prefill keeps MKL's GEMM (its shapes differ every batch)
     seqs = [list(p) for p in PROMPTS]
     last = logits[:, -1]
     for _ in range(DECODE_STEPS):
@@ -59,10 +70,14 @@ def test_prefill_and_decode_match_transformers(model, kernels, monkeypatch):
         for s, tok in zip(seqs, nxt.tolist()):
             s.append(tok)
         positions = positions[:, -1:] + 1
-        last = forward(model, nxt[:, None], positions, cache)[:, -1]
+        last = forward(model, nxt[:, None], positions, cache, fused=fused)[:, -1]
         for row, s in enumerate(seqs):
             torch.testing.assert_close(last[row], _reference_logits(model, s)[-1],
                                        rtol=0, atol=1e-5)
+    if path == "onednn":  # per step: q|k|v, o, (dense) gate|up and down per layer, lm_head
+        per_step = sum(4 if hasattr(layer.mlp, "gate_proj") else 2
+                       for layer in model.model.layers) + 1
+        assert len(calls) == DECODE_STEPS * per_step
     assert cache.length == width + DECODE_STEPS
     assert cache.capacity > 16  # it did grow
 

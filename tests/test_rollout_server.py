@@ -327,10 +327,8 @@ def test_retract_pause_reprefills_with_the_new_weights(model_dir, reference, tmp
 
         def wait(self, timeout=None):
             self.calls += 1
-            if self.calls == 4:  # a weight update as Generator.receiving loads it, under the lock
-                with gen.lock:
-                    for name, p in new_ref.named_parameters():
-                        gen.params[name].copy_(p)
+            if self.calls == 4:  # a weight update, as /update_weights_from_tensor loads it
+                gen.load_tensors(list(new_ref.named_parameters()))
                 if retract:
                     retract_flag.set()
             return super().wait(timeout)
@@ -398,3 +396,26 @@ def test_finished_rows_leave_the_batch_and_change_nothing(model_dir, reference, 
                                    atol=1e-5, rtol=0)
         ref = reference_logprobs(model, a.prompt_ids + a.output_ids)[len(a.prompt_ids) - 1:]
         torch.testing.assert_close(torch.tensor(a.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_compaction_keeps_few_row_counts():
+    """A batch drops finished rows once a quarter finished (COMPACT_AT), to the unfinished
+    ones; from ONEDNN_MIN_ROWS rows on it keeps a multiple of ROW_QUANTUM (finished rows
+    fill up), so oneDNN sees few row counts."""
+    from megatron_klear.rollout.generator import ROW_QUANTUM, Sequence, _compaction
+
+    def batch(size: int, unfinished: list[int]) -> list:
+        seqs = [Sequence([1], SamplingParams()) for _ in range(size)]
+        for i, s in enumerate(seqs):
+            s.finish_reason = None if i in unfinished else {"type": "stop"}
+        return seqs
+
+    assert ROW_QUANTUM == 16
+    odd = list(range(1, 64, 2)) + [4, 8, 12, 16, 20, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58]
+    kept = _compaction(batch(64, odd))  # 47 unfinished of 64: 48 rows
+    assert len(kept) == 48 and set(odd) < set(kept) and kept == sorted(kept)
+    assert _compaction(batch(64, list(range(49)))) is None  # 49 -> 64 rows: no gain
+    assert _compaction(batch(64, list(range(40)))) == list(range(48))
+    assert _compaction(batch(64, list(range(20)))) == list(range(32))
+    assert _compaction(batch(64, [3, 9])) == [3, 9]  # below 16 rows: exactly the unfinished
+    assert _compaction(batch(12, list(range(10)))) is None  # 10 of 12 left: not yet

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_klear.rollout.qwen3_decode import KVCache, check_supported, forward
+from megatron_klear import platform
+from megatron_klear.rollout.qwen3_decode import ONEDNN_MIN_ROWS, FusedWeights, KVCache, \
+    check_supported, forward
 from megatron_klear.rollout.sampling import (RowSettings, SamplingParams, find_stop_string,
                                              sample_next, seeded_uniforms, token_logprobs)
 
@@ -28,6 +30,10 @@ INITIAL_DECODE_CAPACITY = 1024  # new tokens the KV cache holds before it first 
 # a batch drops its finished rows (one copy of the KV cache) once a quarter of them have
 # finished: each later step computes only unfinished rows, as SGLang's running batch does
 COMPACT_AT = 0.75
+# a batch of at least ONEDNN_MIN_ROWS rows is compacted to a multiple of this many (a few
+# finished rows stay, their tokens unused): oneDNN builds a kernel per row count, so the
+# counts stay few, as SGLang pads a decode batch to one of its CUDA graphs' batch sizes
+ROW_QUANTUM = 16
 
 
 @dataclass
@@ -94,6 +100,20 @@ class _Draws:
         return out
 
 
+def _compaction(live: list[Sequence]) -> list[int] | None:
+    """The rows a decoding batch keeps once it drops finished ones (COMPACT_AT): the
+    unfinished rows, and from ONEDNN_MIN_ROWS rows on as many finished ones as make a multiple
+    of ROW_QUANTUM; None while it keeps them all."""
+    unfinished = [i for i, s in enumerate(live) if s.finish_reason is None]
+    rows = len(unfinished)
+    if rows >= ONEDNN_MIN_ROWS:
+        rows = -(-rows // ROW_QUANTUM) * ROW_QUANTUM
+    if rows > COMPACT_AT * len(live):
+        return None
+    finished = [i for i, s in enumerate(live) if s.finish_reason is not None]
+    return sorted(unfinished + finished[:rows - len(unfinished)])
+
+
 class Generator:
     """An HF Qwen3 model with batched sampling (fp32 by default).
 
@@ -127,6 +147,7 @@ class Generator:
         self.params = dict(self.model.named_parameters()) | expert_views(self.model)
         self._recv_pool: dict[str, list[list]] = {}  # flat buckets (receiving)
         self._released: dict[str, torch.Size] | None = None  # shapes while weights are released
+        self._fused: FusedWeights | None = None  # of the current weights; None: build anew
 
     def _hook_routers(self) -> list[int]:
         """Record each sparse layer's top-k expert ids (transformers' Qwen3MoeTopKRouter
@@ -179,7 +200,7 @@ class Generator:
             if s.cfg.max_new_tokens == 0:
                 self._finish(s, {"type": "length", "length": 0})
         settings, draws = RowSettings.of([s.cfg for s in seqs]), _Draws(seqs, self.generator)
-        live, rows = list(seqs), torch.arange(len(seqs))  # the cache's rows: unfinished ones
+        live, rows = list(seqs), torch.arange(len(seqs))  # the cache's rows (_compaction)
         while any(s.finish_reason is None for s in seqs):
             running.wait()
             if abort.is_set():
@@ -193,8 +214,8 @@ class Generator:
                        draws.next()[rows])
             if all(s.finish_reason is not None for s in seqs):
                 break
-            keep = [i for i, s in enumerate(live) if s.finish_reason is None]
-            if len(keep) <= COMPACT_AT * len(live):  # drop finished rows from the batch
+            keep = _compaction(live)
+            if keep is not None:  # drop finished rows from the batch
                 index = torch.tensor(keep)
                 cache.select(index)
                 live, rows, pos = [live[i] for i in keep], rows[index], pos[index]
@@ -235,8 +256,22 @@ class Generator:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  all_logits: bool = False) -> torch.Tensor:
         with self.lock:
+            if self._fused is None and self._fuses():
+                self._fused = FusedWeights(self.model)
             return forward(self.model, ids.to(self.device), positions.to(self.device), cache,
-                           all_logits).cpu()
+                           all_logits, self._fused).cpu()
+
+    def _fuses(self) -> bool:
+        """Whether the forward runs fused projections: an fp32 CPU model where oneDNN's
+        linear runs (the only place they gain; elsewhere the copy would be memory for
+        nothing)."""
+        return (self.dtype == torch.float32 and self.device.type == "cpu"
+                and platform.onednn_linear() is not None)
+
+    def _weights_changed(self) -> None:
+        """Drop the fused copy of the weights; with the lock held, by every method that
+        changes a parameter (the next forward fuses the new ones)."""
+        self._fused = None
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -330,16 +365,20 @@ class Generator:
         else:
             direct = [not errors and self.params[n].dtype == dt
                       and self.params[n].is_contiguous() for n, dt, _ in specs]
-            with self.lock if any(direct) else contextlib.nullcontext():
-                tensors = [self.params[n].data if d else
-                           torch.empty(shape, dtype=dt, device=self.device)
-                           for (n, dt, shape), d in zip(specs, direct)]
-                yield tensors
-            if not errors:
+            try:
+                with self.lock if any(direct) else contextlib.nullcontext():
+                    tensors = [self.params[n].data if d else
+                               torch.empty(shape, dtype=dt, device=self.device)
+                               for (n, dt, shape), d in zip(specs, direct)]
+                    yield tensors
+                if not errors:
+                    with self.lock:
+                        for (name, _, _), d, t in zip(specs, direct, tensors):
+                            if not d:
+                                self.params[name].copy_(t)
+            finally:  # direct receives change parameters even in a block that failed
                 with self.lock:
-                    for (name, _, _), d, t in zip(specs, direct, tensors):
-                        if not d:
-                            self.params[name].copy_(t)
+                    self._weights_changed()
         if errors:
             raise ValueError(errors[0])
 
@@ -352,6 +391,7 @@ class Generator:
         if errors:
             raise ValueError(errors[0])
         with self.lock:
+            self._weights_changed()
             for name, tensor in named:
                 self.params[name].copy_(tensor)
 
@@ -366,6 +406,7 @@ class Generator:
         the caching allocator's free blocks (the parameters', the last batches' KV caches) go
         back to the driver too, so the device's free memory rises as with SGLang."""
         with self.lock:
+            self._weights_changed()
             named = dict(self.model.named_parameters())
             self._released = {n: p.shape for n, p in named.items()}
             freed = sum(p.numel() * p.element_size() for p in named.values())
@@ -381,6 +422,7 @@ class Generator:
         (torch_memory_saver maps fresh pages); here they are NaN, so a rollout or probe
         served before the update shows it instead of passing by chance."""
         with self.lock:
+            self._weights_changed()
             for name, p in self.model.named_parameters():
                 p.data = torch.full(self._released[name], float("nan"), dtype=p.dtype,
                                     device=self.device)
@@ -402,6 +444,7 @@ class Generator:
         names of those that did are kept with the buffer for :meth:`_free_buffer`."""
         buf, views, offset = slot[0], [], 0
         with self.lock:
+            self._weights_changed()
             for (name, dtype, shape), size in zip(specs, sizes):
                 received = buf[offset:offset + size].view(dtype).view(shape)
                 param = self.params[name]

@@ -15,22 +15,31 @@ An fp32 model on the CPU runs the extension's kernels (csrc/cpu/decode_cpu.h: th
 one pass per row and head, where torch spends a decode step on per-op overhead):
 ``klear::rms_norm``, ``klear::qk_norm_rope`` (q_norm / k_norm and the rotary embedding) and,
 for one-token steps, ``klear::decode_attention``, which is why the cache keeps its keys
-transposed.
+transposed. Its one-token steps of at least ONEDNN_MIN_ROWS rows run their projections through
+oneDNN (``platform.onednn_linear``) with q|k|v and gate|up fused (:class:`FusedWeights`): MKL's
+sgemm runs its AVX2 code on AMD CPUs with AVX-512, and these GEMMs are most of a decode step.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from megatron_klear import platform
 from megatron_klear.ops.rms_norm import rms_norm
 
-__all__ = ["KVCache", "check_supported", "forward", "grouped_attention"]
+__all__ = ["KVCache", "FusedWeights", "check_supported", "forward", "grouped_attention",
+           "ONEDNN_MIN_ROWS"]
 
 # the decode kernel reads positions in blocks of this many (cache capacities are multiples)
 DECODE_BLOCK = 16
+# a one-token step of at least this many rows runs its projections through oneDNN; below, MKL's
+# sgemm is as fast (benchmarks/bench_cpu_gemm.py), and the few row counts keep oneDNN's
+# kernels (one built per shape) few
+ONEDNN_MIN_ROWS = 16
 
 
 def check_supported(config) -> None:
@@ -159,16 +168,15 @@ class KVCache:
         self.bias = self.bias.index_select(0, index)
 
 
-def _attention_inputs(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
-    """The layer's queries, keys and values [b, heads, t, d] of ``x`` [b * t, hidden]:
-    projected, queries and keys each head RMS-normed (q_norm / k_norm) and rotated
-    (``apply_rotary_pos_emb``; ``cos``/``sin`` [b, t, d]), for an fp32 CPU model in one
+def _attention_inputs(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
+    """The layer's queries, keys and values [b, heads, t, d] of its projections ``q``, ``k``,
+    ``v`` [b * t, heads * d]: queries and keys each head RMS-normed (q_norm / k_norm) and
+    rotated (``apply_rotary_pos_emb``; ``cos``/``sin`` [b, t, d]), for an fp32 CPU model in one
     ``klear::qk_norm_rope`` pass per tensor."""
-    t, d = x.shape[0] // b, attn.head_dim
-    q, k, v = (_linear(proj, x).view(b, t, -1, d)
-               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    kernel = _kernel("qk_norm_rope") if _on_kernels(x) else None
+    t, d = q.shape[0] // b, attn.head_dim
+    q, k, v = (y.view(b, t, -1, d) for y in (q, k, v))
+    kernel = _kernel("qk_norm_rope") if _on_kernels(q) else None
     if kernel is None:
         from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
@@ -180,19 +188,57 @@ def _attention_inputs(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
     return q, k, v.transpose(1, 2)
 
 
-def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """An ``nn.Linear`` of the model applied as ``F.linear``: a decode step makes ~30 such
-    calls, and the module call costs more than a 64-row projection of a tiny model."""
-    return F.linear(x, module.weight, module.bias)
+class FusedWeights:
+    """Each layer's q|k|v and (dense MLP) gate|up weights concatenated, so that a step runs
+    one GEMM for each instead of three and two: oneDNN's cost per call is larger than MKL's
+    and loses on the small k and v projections alone, while a 64-row step's projections take
+    0.50 ms fused through oneDNN against 0.74 ms unfused through MKL
+    (benchmarks/bench_cpu_gemm.py). A copy of the weights when built: the generator builds a
+    new one after every weight change (Generator._weights_changed)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        def cat(modules: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+            bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+            return torch.cat([m.weight for m in modules]), bias
+
+        self.qkv, self.gate_up = [], []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(cat((attn.q_proj, attn.k_proj, attn.v_proj)))
+            self.gate_up.append(cat((mlp.gate_proj, mlp.up_proj))
+                                if hasattr(mlp, "gate_proj") else None)
 
 
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The layer's MLP: transformers' ``Qwen3MLP`` (``down(act(gate(x)) * up(x))``) through
-    :func:`_linear`; a sparse-MoE block is called as the module (its router hooks record
-    routed experts)."""
+def _linear(module: torch.nn.Module, x: torch.Tensor, linear: Callable = F.linear
+             ) -> torch.Tensor:
+    """An ``nn.Linear`` of the model applied as ``linear`` (``F.linear`` or oneDNN's): a decode
+    step makes ~30 such calls, and the module call costs more than a 64-row projection of a
+    tiny model."""
+    return linear(x, module.weight, module.bias)
+
+
+def _qkv(attn: torch.nn.Module, x: torch.Tensor, fused: tuple | None, linear: Callable
+         ) -> tuple[torch.Tensor, ...]:
+    """The layer's q, k and v projections of ``x`` [rows, hidden]: one GEMM of the ``fused``
+    weights where given, else one per projection module."""
+    if fused is None:
+        return tuple(_linear(p, x, linear) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    kv = attn.k_proj.weight.shape[0]
+    return linear(x, *fused).split([fused[0].shape[0] - 2 * kv, kv, kv], dim=-1)
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor, fused: tuple | None, linear: Callable
+         ) -> torch.Tensor:
+    """The layer's MLP: transformers' ``Qwen3MLP`` (``down(act(gate(x)) * up(x))``), gate and
+    up as one GEMM of the ``fused`` weights where given; a sparse-MoE block is called as the
+    module (its router hooks record routed experts)."""
     if not hasattr(mlp, "gate_proj"):
         return mlp(x[None])[0]  # a batch of one sequence: the block routes each token alone
-    return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    if fused is None:
+        gate, up = _linear(mlp.gate_proj, x, linear), _linear(mlp.up_proj, x, linear)
+    else:
+        gate, up = linear(x, *fused).chunk(2, dim=-1)
+    return _linear(mlp.down_proj, mlp.act_fn(gate) * up, linear)
 
 
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -202,11 +248,22 @@ def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, module.weight, module.variance_epsilon)
 
 
+def _step_linear(x: torch.Tensor, fused: FusedWeights | None) -> Callable:
+    """The projections' GEMM for a forward of ``x`` [rows, hidden]: oneDNN's for a one-token
+    step of at least ONEDNN_MIN_ROWS fp32 CPU rows with fused weights, else ``F.linear``
+    (a prefill's row count differs every batch, and oneDNN builds a kernel per shape)."""
+    onednn = platform.onednn_linear() if fused is not None and _on_kernels(x) else None
+    return onednn if onednn is not None and x.shape[0] >= ONEDNN_MIN_ROWS else F.linear
+
+
 @torch.no_grad()
 def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
-            cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+            cache: KVCache, all_logits: bool = False, fused: FusedWeights | None = None
+            ) -> torch.Tensor:
     """fp32 logits of ``ids`` [b, t] at ``positions`` [b, t], appended to ``cache``: of every
-    position with ``all_logits``, else of the last only ([b, t or 1, V])."""
+    position with ``all_logits``, else of the last only ([b, t or 1, V]). ``fused``: the
+    model's current weights fused (:class:`FusedWeights`); one-token steps then run their
+    projections through oneDNN."""
     inner = model.model
     b, t = ids.shape
     cache.reserve(cache.length + t)
@@ -214,14 +271,18 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
     hidden = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     hidden = hidden.view(b * t, -1)  # the projections see 2-D token rows
+    linear = _step_linear(hidden, fused) if t == 1 else F.linear
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        q, k, v = _attention_inputs(attn, _norm(layer.input_layernorm, hidden), cos, sin, b)
+        projected = _qkv(attn, _norm(layer.input_layernorm, hidden),
+                         fused.qkv[i] if fused else None, linear)
+        q, k, v = _attention_inputs(attn, *projected, cos, sin, b)
         cache.append(i, k, v)
         attended = cache.attend(i, q, mask, attn.scaling).view(b * t, -1)
-        hidden = hidden + _linear(attn.o_proj, attended)
-        hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden))
+        hidden = hidden + _linear(attn.o_proj, attended, linear)
+        hidden = hidden + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, hidden),
+                               fused.gate_up[i] if fused else None, linear)
     cache.length += t
     hidden = hidden.view(b, t, -1)
     hidden = _norm(inner.norm, hidden if all_logits else hidden[:, -1:])
-    return _linear(model.lm_head, hidden).float()
+    return _linear(model.lm_head, hidden, linear).float()
