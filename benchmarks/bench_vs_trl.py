@@ -1,6 +1,6 @@
 """klear-rl at its defaults against TRL's GRPOTrainer at its fastest, as an outsider sets it up.
 
-  PYTHONPATH=. python benchmarks/bench_vs_trl.py [--runs 3] [--steps 8] [--sweep 8x32,...]
+  PYTHONPATH=. python benchmarks/bench_vs_trl.py [--runs 3] [--steps 12] [--sweep 8x32,...]
                                                  [--update-docs]
 
 The setup (issue 42): a tiny Qwen3 (hidden 128, intermediate 256, 4 layers, head_dim 32),
@@ -20,7 +20,10 @@ optimizer step per RL step, the same math reward (``score_batch("math")``), LR 2
   measured in every held-out run.
 
 Stages, with progress on stderr: (1) ``--runs`` held-out rounds, each klear-rl then every TRL
-candidate, each run the median of its steps after the first (warm-up); TRL's fastest
+candidate, each run the median of its steps after the first (warm-up; 12 steps a run: of the 7
+laps of 8 steps, two sat at the run's edges -- a second step still faulting pages in, and on
+klear-rl's side a last batch whose seeded samples send the math verifier down a 16-60 ms sympy
+path -- and moved the median with them); TRL's fastest
 configuration is the candidate with the lowest median over the rounds, and each round
 compares klear-rl with it (a choice from one short run per candidate flipped with the noise);
 (2) the per-phase profile of both sides (from the same runs: klear-rl's ``time/*`` metrics,
@@ -350,7 +353,7 @@ def update_docs(text: str, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="held-out runs (pairs)")
-    p.add_argument("--steps", type=int, default=8, help="RL steps per held-out run")
+    p.add_argument("--steps", type=int, default=12, help="RL steps per held-out run")
     p.add_argument("--sweep", default=SWEEP, help="samples x new tokens per point, comma-"
                    "separated; '' skips the sweep")
     p.add_argument("--trl-candidates", default=",".join(TRL_CANDIDATES),
