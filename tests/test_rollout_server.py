@@ -260,17 +260,22 @@ def test_generate_inside_running_event_loop(client):
     assert len(asyncio.run(caller())[0][0].output_ids) >= 1
 
 
-def _peer_port_server() -> tuple[str, callable]:
+def _peer_port_server() -> tuple[str, callable, list]:
     """A real aiohttp server (own thread) answering GET /port with the client's TCP port, so
-    a test can tell a reused connection from a new one; returns (url, stop)."""
+    a test can tell a reused connection from a new one, and GET /health; returns (url, stop,
+    the client ports of every request)."""
     from aiohttp import web
 
+    seen = []
+
     async def port(request: web.Request) -> web.Response:
-        return web.json_response(request.transport.get_extra_info("peername")[1])
+        seen.append(request.transport.get_extra_info("peername")[1])
+        return web.json_response(seen[-1])
 
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_get("/port", port)
+    app.router.add_get("/health", port)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -284,18 +289,22 @@ def _peer_port_server() -> tuple[str, callable]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
 
-    return url, stop
+    return url, stop, seen
 
 
 def test_keep_alive_reuses_one_connection_and_return_errors_tries_every_server():
-    url, stop = _peer_port_server()
+    url, stop, seen = _peer_port_server()
     try:
         client = RolloutClient([url])
         outside = {client.get_all("/port")[url] for _ in range(3)}
         assert len(outside) == 3  # a new connection per call
         with client.keep_alive():
+            seen.clear()
             inside = {client.get_all("/port")[url] for _ in range(3)}
-        assert len(inside) == 1
+            with client.keep_alive():  # a nested block shares the loop and its connections
+                assert client.health() == {url: True}
+                inside.add(client.get_all("/port")[url])
+        assert len(inside) == 1 and len(seen) == 5 and set(seen) == inside
         dead = "http://127.0.0.1:9"  # discard port: connection refused
         both = RolloutClient([url, dead], max_retries=0)
         with both.keep_alive():

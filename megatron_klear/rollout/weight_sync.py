@@ -285,8 +285,9 @@ class WeightSync:
     def _live_urls(self) -> list[str]:
         """The servers that answer /health, as rank 0 sees them (collective)."""
         held = [None]
-        if self.rank == 0:
-            held[0] = [u for u, ok in RolloutClient(self.urls).health().items() if ok]
+        if self.rank == 0:  # the sync's client (kept alive) where it covers every server
+            client = self.client if self.client.urls == self.urls else RolloutClient(self.urls)
+            held[0] = [u for u, ok in client.health().items() if ok]
         dist.broadcast_object_list(held, src=0)
         return held[0]
 
@@ -371,16 +372,21 @@ class WeightSync:
         ``weight_sync/gbps`` (GB/s = 1e9 bytes per second, all stages together). On failure
         every server is resumed and every rank raises :class:`WeightSyncError`.
         """
-        live = self._live_urls()
-        if live != self.members or (self.is_source and self.group is None):
-            self._reform(live)
-        start = time.perf_counter()
         sent = [0]
 
         def send() -> None:
             sent[0] = self._send_stage(weight_version)
 
-        with self.client.keep_alive():  # one connection per server for the whole sync
+        # one event loop and one connection per server for the whole sync, health check too
+        # (a re-formed group's members get a client of their own, kept alive in turn)
+        with contextlib.ExitStack() as kept:
+            kept.enter_context(self.client.keep_alive())
+            live = self._live_urls()
+            if live != self.members or (self.is_source and self.group is None):
+                kept.close()
+                self._reform(live)
+                kept.enter_context(self.client.keep_alive())
+            start = time.perf_counter()
             try:
                 error = None
                 if self.rank == 0:

@@ -55,8 +55,7 @@ def train(cfg: RLConfig) -> list[dict]:
     stream = PromptStream(prompts, cfg.seed, run.position)
     params = cfg.sampling_params(stop_token_ids=[tokenizer.eos_token_id])
     log = open_log(cfg, "rl", run.step)
-    with rollout_servers(cfg) as servers:
-        client = RolloutClient(servers.urls)
+    with rollout_servers(cfg) as servers, RolloutClient(servers.urls).keep_alive() as client:
         placement = build_placement(cfg, servers.urls, engine, client)
         placement.start(str(run.step))  # the servers start from the trainer's weights
         with contextlib.closing(rollout_source(cfg, client, tokenizer, stream, params,
