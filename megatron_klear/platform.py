@@ -642,9 +642,9 @@ def onednn_linear():
     oneDNN linear, ``torch.ops.mkldnn._linear_pointwise`` (the op torch's inductor calls for
     CPU linears), where this torch has it, it computes right here and :func:`cpu_gemm_choice`
     allows oneDNN; else None. The embedded server's decode steps run their projections
-    through it: a 64-row step's 128 -> 512 projection takes 44 us where MKL's sgemm takes 75
-    on this AMD CPU (benchmarks/bench_cpu_gemm.py). oneDNN builds a kernel per shape (about
-    0.4 ms, then cached), so callers keep their shapes few."""
+    through it: a 64-row step's 128 -> 512 projection takes about 45 us where MKL's sgemm
+    takes about 80 on this AMD CPU (benchmarks/bench_cpu_gemm.py). oneDNN builds a kernel per
+    shape (about 0.4 ms, then cached), so callers keep their shapes few."""
     if cpu_gemm_choice() == "mkl":
         return None
     try:

@@ -192,7 +192,7 @@ class FusedWeights:
     """Each layer's q|k|v and (dense MLP) gate|up weights concatenated, so that a step runs
     one GEMM for each instead of three and two: oneDNN's cost per call is larger than MKL's
     and loses on the small k and v projections alone, while a 64-row step's projections take
-    0.50 ms fused through oneDNN against 0.74 ms unfused through MKL
+    about 0.5 ms fused through oneDNN against 0.75-0.8 ms unfused through MKL
     (benchmarks/bench_cpu_gemm.py). A copy of the weights when built: the generator builds a
     new one after every weight change (Generator._weights_changed)."""
 
