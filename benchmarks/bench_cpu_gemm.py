@@ -13,7 +13,7 @@ projections at 64 rows: MKL, ``klear::onednn_mm`` and oneDNN's linear (platform.
 and a whole step's, unfused through MKL against fused through oneDNN. (2) RMSNorm forward + backward
 of a pack's hidden states and q heads: torch's ``F.rms_norm`` and autograd against
 ``ops.rms_norm``. Each number is the median of 5 rounds; ``--update-docs`` writes the tables into
-docs/training.md.
+docs/results.md.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_klear import _C, platform  # noqa: E402
 from megatron_klear.ops.rms_norm import rms_norm  # noqa: E402
+from results_doc import write_block  # noqa: E402  (benchmarks/, the script's folder)
 
 # (in, out) of each linear layer: fused qkv, attention output, fc1 (gate|up), fc2, lm_head
 LINEARS = {"qkv": (128, 256), "proj": (128, 128), "fc1": (128, 512), "fc2": (256, 128),
            "lm_head": (128, 103)}
-MARKERS = ("<!-- bench_cpu_gemm:begin -->", "<!-- bench_cpu_gemm:end -->")
 
 
 def _seconds(fn, calls: int) -> float:
@@ -156,18 +156,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000,
                         help="tokens per pack (a rank's micro-batch in bench_vs_trl.py: ~1000)")
     parser.add_argument("--update-docs", action="store_true",
-                        help="write the tables into docs/training.md")
+                        help="write the tables into docs/results.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     assert _C.onednn_gemm, "this torch has no oneDNN fp32 matmul"
     text = report(args.tokens)
     print(text)
     if args.update_docs:
-        doc = ROOT / "docs" / "training.md"
-        body = doc.read_text()
-        head, rest = body.split(MARKERS[0])
-        _, tail = rest.split(MARKERS[1])
-        doc.write_text(f"{head}{MARKERS[0]}\n{text}\n{MARKERS[1]}{tail}")
+        write_block("bench_cpu_gemm", text)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ compares klear-rl with it (a choice from one short run per candidate flipped wit
 (2) the per-phase profile of both sides (from the same runs: klear-rl's ``time/*`` metrics,
 TRL's methods timed in its worker); (3) the sweep (``--sweep``, default SWEEP: one run per
 side per point, TRL in its fastest configuration); (4) the plot (docs/trl_sweep.png). ``--update-docs``
-writes the tables between the markers in docs/training.md. TRL is not a dependency: ``pip install
+writes the tables between the markers in docs/results.md. TRL is not a dependency: ``pip install
 trl==1.16.0`` (and matplotlib for the plot).
 """
 
@@ -44,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results_doc import write_block  # benchmarks/, the script's folder
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "head_dim": 32,
@@ -341,15 +343,6 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def update_docs(text: str, path: Path) -> None:
-    """Write ``text`` between the bench's markers in docs/training.md."""
-    begin, end = "<!-- bench_vs_trl:begin -->", "<!-- bench_vs_trl:end -->"
-    doc = path.read_text()
-    head, rest = doc.split(begin)
-    _, tail = rest.split(end)
-    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="held-out runs (pairs)")
@@ -359,7 +352,7 @@ def main() -> None:
     p.add_argument("--trl-candidates", default=",".join(TRL_CANDIDATES),
                    help=f"TRL configurations to choose from, of {list(TRL_CANDIDATES)}")
     p.add_argument("--update-docs", action="store_true",
-                   help="write the tables into docs/training.md and the plot to docs/")
+                   help="write the tables into docs/results.md and the plot to docs/")
     args = p.parse_args()
     names = args.trl_candidates.split(",")
     if unknown := [n for n in names if n not in TRL_CANDIDATES]:
@@ -386,7 +379,7 @@ def main() -> None:
             + tables(trl_best, pairs, rows))
     print(text)
     if args.update_docs:
-        update_docs(text, ROOT / "docs" / "training.md")
+        write_block("bench_vs_trl", text)
         if rows:
             plot(rows, ROOT / "docs" / "trl_sweep.png")
     print(json.dumps({"trl": trl_best, "held_out": pairs,
