@@ -8,7 +8,7 @@ the quickstart's flags (TP=2 on 2 ranks), separate then ``--colocate``, alternat
 trainer, NCCL/gloo broadcast sync. Colocated: one embedded server per rank (``world /
 --sglang-tp-size``), engines released while the trainer trains, trainer offloaded while they
 roll out, weights by tensor handle. Prints per mode the median over steps of each phase and
-of the run's wall time per step (the markdown rows of docs/rollout.md).
+of the run's wall time per step (the markdown rows of docs/results.md).
 """
 
 from __future__ import annotations

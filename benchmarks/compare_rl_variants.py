@@ -10,7 +10,7 @@ them alike. Each gain carries its standard error, paired per problem against the
 model; the ranking says which neighbours differ by more than twice the standard error of
 their difference, and which cannot be told apart at this budget.
 Each finished (seed, variant) is appended to DIR/results.jsonl and skipped when the command is
-run again, so an interrupted comparison resumes. Prints the markdown table of docs/training.md.
+run again, so an interrupted comparison resumes. Prints the markdown table of docs/results.md.
 """
 
 from __future__ import annotations
