@@ -121,3 +121,17 @@ def test_write_block_replaces_only_its_block(tmp_path):
     with pytest.raises(ValueError, match="bench_y:begin"):
         results_doc.write_block("bench_y", "text", page)
     assert "new table" in page.read_text()
+
+
+def test_results_entries_are_dated_newest_first():
+    """Each entry of docs/results.md opens with its date and commit, newest entry first."""
+    entries = (ROOT / "docs" / "results.md").read_text().split("\n## ")[1:]
+    dates = []
+    for entry in entries:
+        title, _, body = entry.partition("\n")
+        first = body.strip().split("\n\n")[0]
+        m = re.match(r"(\d{4}-\d{2}-\d{2})\b", first)
+        assert m and re.search(r"\b[0-9a-f]{7}\b", first), \
+            f"docs/results.md ## {title}: open with 'YYYY-MM-DD, <commit>'"
+        dates.append(m.group(1))
+    assert dates == sorted(dates, reverse=True), f"docs/results.md: entries not newest first: {dates}"
