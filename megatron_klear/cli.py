@@ -10,6 +10,11 @@ import sys
 from typing import Any, Callable
 
 
+class RunHalted(Exception):
+    """A run that stops itself for a reason it can name (answered with one line and exit 1):
+    e.g. a run that cannot learn (train/learning_signal.py)."""
+
+
 def bad_input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the user's input is wrong (answered with one line and exit 2)."""
     from megatron_klear.checkpoint.convert import ConversionError
@@ -25,7 +30,8 @@ def bad_input_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_main(fn: Callable[[], Any]) -> Any:
-    """Run ``fn``; a bad-input error prints one clear line and exits with status 2.
+    """Run ``fn``; a bad-input error prints one clear line and exits with status 2, a
+    :class:`RunHalted` one line and status 1.
 
     Under torchrun the process (and its process group) ends when the launcher dies.
     """
@@ -38,6 +44,9 @@ def run_main(fn: Callable[[], Any]) -> Any:
     except errors as exc:
         print("error: " + " ".join(str(exc).split("\n")), file=sys.stderr)  # one line
         sys.exit(2)
+    except RunHalted as exc:
+        print("error: " + " ".join(str(exc).split("\n")), file=sys.stderr)
+        sys.exit(1)
     finally:
         _shutdown()
 

@@ -1,9 +1,9 @@
 """SFT records through a chat template that rewrites history (issue 28), and template args.
 
-The template is tests/data/qwen3_like_chat_template.jinja, written to behave like Qwen3's
-(drops the reasoning of turns before the last user message, splits at </think>, empty think
-block in the generation prompt when enable_thinking is false). The tokenizer is the real
-tiny character-level PreTrainedTokenizerFast. Expected ids and masks are written by hand as
+The tokenizer and template are Qwen3's own (tests/qwen3_files.py, fetched by
+tools/setup_qwen3_tokenizer.sh; the tests skip, naming it, without them): the template drops
+the reasoning of turns before the last user message, splits at </think> and writes an empty
+think block in the generation prompt when enable_thinking is false. Expected ids and masks are written by hand as
 (text, label) segments, each tokenised on its own; their concatenation must also be the
 tokenisation of the whole text (no token crosses a segment boundary), so the reference does
 not depend on the code under test.
@@ -12,7 +12,6 @@ not depend on the code under test.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,8 @@ from megatron_klear.data.prompts import DataError, parse_chat_template_kwargs, r
     set_chat_template_kwargs
 from megatron_klear.data.sft import load_sft_dataset, tokenize_conversation
 from megatron_klear.models.tiny import CHAT_TEMPLATE, build_tokenizer
+from tests.qwen3_files import qwen3_chat_template, qwen3_tokenizer
 
-TEMPLATE = Path(__file__).parent / "data" / "qwen3_like_chat_template.jinja"
 NO_THINK = {"enable_thinking": False}
 SYS = "<|im_start|>system\nYou are a careful solver.<|im_end|>\n"
 U1 = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
@@ -44,15 +43,18 @@ ISSUE_SEGMENTS = [(SYS + U1 + A, 0), ("\\boxed{4}<|im_end|>\n", 1), (U2 + A, 0),
 
 @pytest.fixture(scope="module")
 def tok():
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = TEMPLATE.read_text()
-    return tokenizer
+    return qwen3_tokenizer()
 
 
 def expected(tok, segments):
     """ids and mask of hand-written (text, label) segments; checks that tokenising the whole
     text gives the same ids (so the reference is the tokenisation of the whole text)."""
     ids, mask = [], []
+    # a trained turn ends at its end-of-turn token: the newline the template writes after it
+    # is never generated, so it is not trained
+    segments = [part for text, label in segments for part in
+                (((text[:-1], 1), ("\n", 0)) if label and text.endswith("<|im_end|>\n")
+                 else ((text, label),))]
     for text, label in segments:
         seg = tok(text, add_special_tokens=False)["input_ids"]
         ids += seg
@@ -62,8 +64,8 @@ def expected(tok, segments):
     return ids, mask
 
 
-def test_the_fixture_renders_like_qwen3(tok):
-    """The fixture's behaviours the tests rely on, checked on its text."""
+def test_qwen3_renders_as_the_tests_expect(tok):
+    """Qwen3's behaviours the tests rely on, checked on its text."""
     full = tok.apply_chat_template(ISSUE_RECORD, tokenize=False)
     assert full == "".join(text for text, _ in ISSUE_SEGMENTS)
     assert "2+2=4" not in full  # reasoning of the earlier turn dropped
@@ -163,7 +165,7 @@ def test_ambiguous_records_fail_naming_the_record(tok, tmp_path, case, msgs, tem
         [{"messages": msgs}]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     t = build_tokenizer()
-    t.chat_template = template or TEMPLATE.read_text()
+    t.chat_template = template or qwen3_chat_template()
     with pytest.raises(DataError, match=rf"^{path}:{len(records)}: ambiguous loss mask: "):
         load_sft_dataset(path, t, max_length=512)
 

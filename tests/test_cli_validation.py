@@ -146,6 +146,20 @@ def test_sft_data_and_eval_benchmarks_exit_2_with_one_line(inputs, capsys, monke
     assert not Path(out_dir).exists()  # nothing written, nothing started
 
 
+def test_bad_sft_multi_turn_exits_2_with_one_line(inputs, capsys, monkeypatch):
+    """--sft-multi-turn takes whole or per-turn (issue 56): another value is one line naming
+    the flag and its values, exit 2, in the dry run and the real run (klear-sft's main)."""
+    from megatron_klear.train import sft
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = _jsonl(inputs["dir"] / "sft_good.jsonl", [{"prompt": "a", "response": "b"}])
+    for extra in (["--dry-run"], []):
+        _exits_2_with_one_line(sft.main, ["--hf-checkpoint", inputs["dense"], "--data-path", data,
+                                          "--sft-multi-turn", "perturn", *extra],
+                               "--sft-multi-turn: invalid choice: 'perturn' (choose from "
+                               "'whole', 'per-turn')", capsys)
+
+
 @pytest.mark.parametrize("flags, wants", [
     (["--seq-length", "64"], "--seq-length is not read by klear-rl"),
     (["--prompt-data", "{cut}"], "{cut}:101"),

@@ -1,6 +1,6 @@
-"""Multi-turn tool rollouts (rollout/multi_turn.py) with a scripted engine and a Qwen3-style
-chat template that has Qwen3's tool parts (tests/data/qwen3_like_tool_chat_template.jinja):
-the ids of a 3-turn tool trajectory are the ids the template renders for the whole
+"""Multi-turn tool rollouts (rollout/multi_turn.py) with a scripted engine and Qwen3's real
+tokenizer and chat template (tests/qwen3_files.py; the tool-less fixture
+tests/data/qwen3_like_chat_template.jinja shows a template without tool support): the ids of a 3-turn tool trajectory are the ids the template renders for the whole
 conversation, the loss mask covers exactly the model's own tokens, and hostile calls are
 contained, answered with errors, scored, and the rollout goes on."""
 
@@ -19,8 +19,8 @@ from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError
 from megatron_klear.rollout.pipeline import RolloutContext, Sample, score_samples
 from megatron_klear.rollout.tools import PYTHON_SCHEMA, python_tool
 from megatron_klear.train.rl_data import RolloutBatch, rollout_stats
+from tests.qwen3_files import qwen3_tokenizer
 
-TEMPLATE = Path(__file__).parent / "data" / "qwen3_like_tool_chat_template.jinja"
 PLAIN = Path(__file__).parent / "data" / "qwen3_like_chat_template.jinja"
 
 
@@ -60,7 +60,11 @@ def score_with_tool_errors(ctx, samples):
     return samples
 
 
-def _tokenizer(template=TEMPLATE):
+def _tokenizer(template: Path | None = None):
+    """Qwen3's real tokenizer and template; with ``template``, the tiny character tokenizer
+    with that fixture template instead."""
+    if template is None:
+        return qwen3_tokenizer()
     tok = build_tokenizer()
     tok.chat_template = template.read_text()
     return tok
@@ -221,7 +225,8 @@ def test_calls_past_the_per_turn_cap_are_answered_not_run():
 
 @pytest.mark.parametrize("limit, reason, turns_taken", [
     ({"max_turns": 2}, "max_turns", 2),
-    ({"max_response_tokens": 120}, "max_response_tokens", 1),
+    # Qwen3's tokens: the call turn is 22, the tool response before the next turn 14
+    ({"max_response_tokens": 30}, "max_response_tokens", 1),
 ])
 def test_limits_end_the_trajectory_with_their_reason(limit, reason, turns_taken):
     tok = _tokenizer()
@@ -242,7 +247,7 @@ def test_limits_end_the_trajectory_with_their_reason(limit, reason, turns_taken)
 
 def test_a_turn_cut_by_the_token_limit_ends_with_length():
     tok = _tokenizer()
-    ctx = _ctx(tok, ScriptedEngine(tok, {"Long": ["x" * 500]}))
+    ctx = _ctx(tok, ScriptedEngine(tok, {"Long": [" x" * 500]}))
     (s,) = generate_tool_turns(ctx, [PromptSample(0, [{"role": "user", "content": "Long"}],
                                                   "1")], [0])
     assert s.trajectory.stop_reason == "length" and s.truncated and len(s.response_ids) == 400
@@ -262,9 +267,9 @@ def test_a_template_without_tool_support_is_refused_by_name():
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": call("1")}]
     with pytest.raises(ToolTemplateError, match="tool support|ends an assistant turn"):
         tool_response_ids(tok, msgs, [{"role": "tool", "content": "1"}], "<|im_end|>", None)
-    good = tool_response_ids(_tokenizer(), msgs, [{"role": "tool", "content": "1"}],
-                             "<|im_end|>", None)
-    assert tok.decode(good) == "\n<|im_start|>user\n<tool_response>\n1\n</tool_response>" \
+    qwen3 = _tokenizer()
+    good = tool_response_ids(qwen3, msgs, [{"role": "tool", "content": "1"}], "<|im_end|>", None)
+    assert qwen3.decode(good) == "\n<|im_start|>user\n<tool_response>\n1\n</tool_response>" \
         "<|im_end|>\n<|im_start|>assistant\n"
 
 

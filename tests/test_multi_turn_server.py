@@ -15,8 +15,8 @@ from megatron_klear.rollout.multi_turn import MultiTurnConfig, generate_tool_tur
 from megatron_klear.rollout.pipeline import RolloutContext
 from megatron_klear.rollout.tool_calls import ParsedTurn, ToolCall, get_tool_parser
 from megatron_klear.rollout.tools import load_tool, tool
+from tests.qwen3_files import qwen3_chat_template
 from tests.rollout_helpers import load_reference, reference_logprobs
-from tests.test_multi_turn import TEMPLATE
 
 HERE = "tests.test_multi_turn_server"
 
@@ -58,7 +58,7 @@ def check_engine_trajectories(model_dir, urls, temperature: float, atol: float) 
     ids and log-probs are the server's reply bit for bit, each request carried the Sample's
     exact ids, the mask is the sampled turns, and transformers agrees within ``atol``."""
     model, tok = load_reference(model_dir)
-    tok.chat_template = TEMPLATE.read_text()
+    tok.chat_template = qwen3_chat_template()  # Qwen3's own, on the tiny model's vocabulary
     # turns end after a few tokens; a first turn that never stops (0.5^16) would have no tool turn
     stops = [i for i in range(len(tok)) if i % 2 == 0]
     params = SamplingParams(n=2, max_new_tokens=16, temperature=temperature,

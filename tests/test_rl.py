@@ -521,3 +521,33 @@ def hostile_every_turn(text: str):
             '{"name": "python", "arguments": ', '{"name": "rm_rf", "arguments": {}}'][
         len(text) % 3]
     return parse_hermes(f"<tool_call>\n{body}\n</tool_call>")
+
+
+def test_a_run_that_cannot_learn_warns_and_stops(hf_model, tmp_path):
+    """Every prompt's reward is 0 (issue 56): every step is skipped; klear-rl warns once after
+    WARN_EVERY such steps naming the case and what helps, and --max-skipped-steps WARN_EVERY+1
+    stops it before its next step with one line and exit 1 (the real CLI, one process)."""
+    from megatron_klear.train.learning_signal import WARN_EVERY
+
+    data = tmp_path / "never.jsonl"   # parity_reward: label "never" is always 0
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "never"}) + "\n"
+                            for i in range(8)))
+    limit = WARN_EVERY + 1
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_klear.train.rl",
+         *_rl_args(hf_model, data, tmp_path / "ck", 20, "--max-sampling-rounds", "1",
+                   "--probe-interval", "100", "--max-skipped-steps", str(limit))],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    warnings = [line for line in lines if line.startswith("[rl] warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"[rl] warning: steps 1-{WARN_EVERY} trained nothing: every response failed"), lines
+    assert "more or better SFT" in warnings[0]
+    assert lines[-1].startswith(f"error: stopped: the last {limit} steps trained nothing "
+                                f"(--max-skipped-steps {limit}): every response failed"), lines
+    hist = read_metrics(tmp_path / "ck" / "metrics.jsonl")
+    assert [m["step"] for m in hist] == list(range(1, limit + 1))
+    assert all(m["train/skipped_step"] == 1.0 and m["rollout/zero_adv_frac"] == 1.0
+               for m in hist)

@@ -1,12 +1,15 @@
-"""SFT on multi-turn tool trajectories (issue 40): assistant turns with ``tool_calls`` (empty
-content), role ``tool`` responses and a record-level ``tools`` list, through
-tests/data/qwen3_like_tool_chat_template.jinja (Qwen3's template with its tool parts).
+"""SFT on multi-turn tool trajectories (issues 40, 56): assistant turns with ``tool_calls``
+(empty content), role ``tool`` responses and a record-level ``tools`` list, through Qwen3's
+real tokenizer and chat template (tests/qwen3_files.py; the tests skip, naming the setup
+script, without them).
 
 The reference ids and mask are hand-written (text, label) segments of what the template
-renders for the whole conversation, tokenised on their own by the real tiny character-level
-tokenizer (tests/test_chat_template_sft.py ``expected``), so they do not depend on the code
-under test: the trained ids are the full rendering and the mask covers exactly the assistant
-turns (their ``<tool_call>`` blocks included), never the ``<tool_response>`` blocks.
+renders for the whole conversation, tokenised on their own (tests/test_chat_template_sft.py
+``expected``), so they do not depend on the code under test: the trained ids are the full
+rendering and the mask covers exactly the assistant turns (their ``<tool_call>`` blocks
+included), never the ``<tool_response>`` blocks. Agentic records whose earlier turns carry
+reasoning (which Qwen3's template drops before the last user query) are checked under both
+``--sft-multi-turn`` conventions against an independent span search in the rendered text.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import pytest
 from megatron_klear.data.prompts import DataError
 from megatron_klear.data.sft import check_sft_records, load_sft_dataset
 from megatron_klear.models.tiny import build_tokenizer
+from tests.qwen3_files import qwen3_tokenizer
 from tests.test_chat_template_sft import A, expected
 
-TEMPLATE = Path(__file__).parent / "data" / "qwen3_like_tool_chat_template.jinja"
 SCHEMA = {"type": "function", "function": {
     "name": "python", "description": "Run Python code and return what it prints.",
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
@@ -74,9 +77,7 @@ SEGMENTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = TEMPLATE.read_text()
-    return tokenizer
+    return qwen3_tokenizer()
 
 
 def _write(tmp_path: Path, records: list[dict]) -> Path:
@@ -89,7 +90,9 @@ def test_tool_trajectory_trains_the_assistant_turns_as_rendered(tok, tmp_path):
     """Ids: the template's rendering of the whole conversation, tools block included; mask:
     the three assistant turns with their <tool_call> blocks, not the tool responses."""
     ids, mask = expected(tok, SEGMENTS)
-    full = tok.apply_chat_template(RECORD["messages"], tools=RECORD["tools"], tokenize=False)
+    # Qwen3's template cannot render OpenAI's null content: the loader makes it ''
+    msgs = [dict(m, content=m["content"] or "") for m in RECORD["messages"]]
+    full = tok.apply_chat_template(msgs, tools=RECORD["tools"], tokenize=False)
     assert tok(full, add_special_tokens=False)["input_ids"] == ids  # the fixture renders so
     [sample], _ = load_sft_dataset(_write(tmp_path, [RECORD]), tok, max_length=2048)
     assert (sample.input_ids, sample.loss_mask) == (ids, mask)
@@ -158,7 +161,7 @@ def test_the_tool_quickstart_data_trains_the_calls_and_answers(tmp_path):
         msgs = rec["messages"]
         want = "".join((f'<tool_call>{{"name": "python", "arguments": '
                         f'{json.dumps(m["tool_calls"][0]["function"]["arguments"])}}}</tool_call>'
-                        if m.get("tool_calls") else m["content"]) + "<|im_end|>\n"
+                        if m.get("tool_calls") else m["content"]) + "<|im_end|>"
                        for m in msgs if m["role"] == "assistant")
         assert trained == want
         assert "<tools>python: code</tools>" in tok.decode(s.input_ids)
@@ -173,3 +176,88 @@ def test_the_tool_quickstart_data_trains_the_calls_and_answers(tmp_path):
     pairs = {name: {r["prompt"] for _, r in load_records(paths[name])} for name in ("rl", "eval")}
     sft_q = {r["messages"][0]["content"] for r in records}
     assert len(pairs["eval"]) == 20 and not pairs["eval"] & (pairs["rl"] | sft_q)
+
+
+# An agentic record in the shape Qwen3's template drops reasoning from: turns with reasoning
+# (as reasoning_content and as <think> in the content) and tool calls, consecutive tool
+# responses, a tools block, then a new user question. Rendered whole, every turn before the
+# last question loses its reasoning; the loader refused such records before issue 56.
+AGENTIC = {"tools": [SCHEMA], "messages": [
+    {"role": "system", "content": "You are careful."},
+    {"role": "user", "content": "What is 37*89?"},
+    {"role": "assistant", "reasoning_content": "I should run it.", "content": "",
+     "tool_calls": [_call("print(37*89)")]},
+    {"role": "tool", "content": "3293"},
+    {"role": "assistant", "content": "<think>\nCheck both factors.\n</think>\n\nLet me check.",
+     "tool_calls": [_call("print(3293/89)", True), _call("print(3293/37)", True)]},
+    {"role": "tool", "content": "37.0"},
+    {"role": "tool", "content": "89.0"},
+    {"role": "assistant", "content": "<think>\nIt is 3293.\n</think>\n\n\\boxed{3293}"},
+    {"role": "user", "content": "And 12*12?"},
+    {"role": "assistant", "reasoning_content": "Easy.", "content": "",
+     "tool_calls": [_call("print(12*12)")]},
+    {"role": "tool", "content": "144"},
+    {"role": "assistant", "content": "\\boxed{144}"},
+]}
+REASONING = ("I should run it.", "Check both factors.", "It is 3293.", "Easy.")
+
+
+def _span_mask(tok, text: str, last_only: bool) -> tuple[list[int], list[int]]:
+    """The independent reference: ids of ``text`` and a mask over every span from just after
+    ``<|im_start|>assistant\\n`` through the next ``<|im_end|>`` (only the last such span with
+    ``last_only``), found by a regular expression in the rendered text."""
+    spans = [m.span(1) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text,
+                                            re.S)]
+    spans = spans[-1:] if last_only else spans
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], [int(any(s <= a and b <= e for s, e in spans))
+                              for a, b in enc["offset_mapping"]]
+
+
+def _trained(tok, sample) -> str:
+    return tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+
+
+def test_whole_convention_trains_earlier_turns_as_rendered_without_their_reasoning(tok,
+                                                                                    tmp_path):
+    """The default: one sample, the whole conversation as Qwen3 renders it; the mask is the
+    span search's (5 assistant turns); reasoning before the last question is neither in the
+    ids nor trained, the last turns' reasoning is both; tools block and responses untrained."""
+    [sample], stats = load_sft_dataset(_write(tmp_path, [AGENTIC]), tok, max_length=4096)
+    full = tok.apply_chat_template(AGENTIC["messages"], tools=AGENTIC["tools"], tokenize=False)
+    assert (sample.input_ids, sample.loss_mask) == _span_mask(tok, full, last_only=False)
+    trained = _trained(tok, sample)
+    assert trained.count("<|im_end|>") == 5 and trained.count("<tool_call>") == 4
+    for dropped in REASONING[:3]:
+        assert dropped not in full
+    assert "<think>\nEasy.\n</think>" in trained and "<think>\n\n</think>" in trained
+    assert "<tool_response>" not in trained and "<tools>" not in trained
+    assert stats.loaded == 1
+
+
+def test_per_turn_convention_trains_each_turn_as_generated_with_its_reasoning(tok, tmp_path):
+    """--sft-multi-turn per-turn: one sample per assistant turn, the conversation up to it
+    rendered as at generation time (its reasoning shown), only that turn trained."""
+    samples, stats = load_sft_dataset(_write(tmp_path, [AGENTIC]), tok, max_length=4096,
+                                      multi_turn="per-turn")
+    msgs = AGENTIC["messages"]
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    assert stats.loaded == len(samples) == len(turns) == 5
+    for sample, i in zip(samples, turns):
+        text = tok.apply_chat_template(msgs[:i + 1], tools=AGENTIC["tools"], tokenize=False)
+        assert (sample.input_ids, sample.loss_mask) == _span_mask(tok, text, last_only=True)
+        assert _trained(tok, sample).startswith("<think>\n")  # each turn with its reasoning
+    for sample, reasoning in zip([samples[0], samples[1], samples[2], samples[3]], REASONING):
+        assert f"<think>\n{reasoning}\n</think>" in _trained(tok, sample)
+
+
+def test_still_ambiguous_agentic_records_fail_naming_file_line_and_turn(tok, tmp_path):
+    """Two assistant messages in a row: Qwen3 renders the first one with an empty think block
+    when it is last and without one when the second follows; no convention can tell where
+    the second starts in the whole rendering: refused at FILE:LINE naming the turn."""
+    bad = json.loads(json.dumps(AGENTIC))
+    bad["messages"].insert(4, {"role": "assistant", "content": "Hmm."})
+    path = _write(tmp_path, [AGENTIC, bad])
+    with pytest.raises(DataError, match=rf"^{path}:2: ambiguous loss mask: the start of "
+                                        r"assistant message 5 is not found"):
+        load_sft_dataset(path, tok, max_length=4096)

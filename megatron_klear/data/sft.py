@@ -1,7 +1,8 @@
 """Long-CoT SFT data: chat records -> token ids with a response-only loss mask.
 
 A record is either ``{"prompt": str | chat list, "response": str}`` or ``{"messages": [...]}``
-(loss on every assistant turn). Messages may be tool trajectories: assistant turns with
+(loss on every assistant turn; ``--sft-multi-turn per-turn``: one sample per assistant turn,
+see :func:`conversation_samples`). Messages may be tool trajectories: assistant turns with
 ``tool_calls`` (OpenAI layout, content empty or null), role ``tool`` responses, and a
 record-level ``tools`` list of JSON schemas that the chat template renders
 (``apply_chat_template(..., tools=...)``); tool responses are masked like other messages. Field names are configurable and may be dotted paths into
@@ -157,10 +158,14 @@ def _content_ends(tokenizer: Any, messages: list[dict], turns: list[int], full: 
 def _turn_start(tokenizer: Any, messages: list[dict], i: int, full: str, kwargs: dict) -> int:
     """End of the generation prompt before assistant message ``i`` in ``full``: the
     rendering of the messages before it plus the generation prompt must be a prefix of
-    ``full``. With template arguments, the prompt without them is tried second: Qwen3
-    renders earlier turns without the empty think block of ``enable_thinking: false``.
-    The record's ``tools`` stay in both."""
+    ``full``, or else (the template renders earlier messages differently once later ones
+    follow: Qwen3 drops the reasoning of turns before the last user query) the text the
+    generation prompt adds after message ``i - 1`` must follow that message's content in
+    ``full`` (:func:`_start_after`). With template arguments, the prompt without them is
+    tried second: Qwen3 renders earlier turns without the empty think block of
+    ``enable_thinking: false``. The record's ``tools`` stay in both."""
     bare = {"tools": kwargs["tools"]} if "tools" in kwargs else {}
+    candidates = []
     for args in ([kwargs, bare] if kwargs != bare else [kwargs]):
         try:
             prompt = _render(tokenizer, messages[:i], True, args)
@@ -170,9 +175,38 @@ def _turn_start(tokenizer: Any, messages: list[dict], i: int, full: str, kwargs:
             break  # the template needs its arguments: no second candidate
         if full.startswith(prompt):
             return len(prompt)
-    raise DataError(f"ambiguous loss mask: the messages before assistant message {i} plus the "
-                    "generation prompt do not render as the start of the whole conversation "
-                    "(the template renders them differently when this message follows)")
+        candidates.append(args)
+    for args in candidates:
+        start = _start_after(tokenizer, messages, i, full, args, kwargs)
+        if start is not None:
+            return start
+    raise DataError(f"ambiguous loss mask: the start of assistant message {i} is not found: "
+                    "neither do the messages before it plus the generation prompt render as "
+                    "the start of the whole conversation, nor does the generation prompt "
+                    f"follow message {i - 1} in it (the template renders them differently "
+                    "when this message follows)")
+
+
+def _start_after(tokenizer: Any, messages: list[dict], i: int, full: str, args: dict,
+                 kwargs: dict) -> int | None:
+    """End of the generation prompt before assistant message ``i`` in ``full``, anchored on
+    the content of message ``i - 1`` (a user, tool or system message): a marker appended to
+    it finds it in the whole rendering (which, markers removed, must be ``full`` again) and
+    in the rendering of the messages up to it plus the generation prompt (``args``); the text
+    after the marker there must follow it in ``full``. None where it does not."""
+    prev = i - 1
+    if prev < 0 or messages[prev]["role"] == "assistant" \
+            or not isinstance(messages[prev].get("content"), str):
+        return None
+    mark = _MARK.format(prev)
+    marked = dict(messages[prev], content=messages[prev]["content"] + mark)
+    prompt = _render(tokenizer, messages[:prev] + [marked], True, args)
+    whole = _render(tokenizer, messages[:prev] + [marked] + messages[i:], False, kwargs)
+    if prompt.count(mark) != 1 or whole.count(mark) != 1 or whole.replace(mark, "") != full:
+        return None
+    glue = prompt[prompt.index(mark) + len(mark):]
+    at = whole.index(mark)
+    return at + len(glue) if whole.startswith(glue, at + len(mark)) else None
 
 
 def _turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, content_end: int,
@@ -192,11 +226,13 @@ def _turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, content_e
 
 def _closing(tokenizer: Any, messages: list[dict], i: int, kwargs: dict) -> str:
     """The text the template closes assistant message ``i`` with, learnt from a probe: the
-    messages before it and a marker message, without tool calls, as the last message."""
+    messages before it and a marker message, without tool calls, as the last message. The
+    whitespace after it is not part of the turn: the model stops at its end-of-turn token
+    (Qwen3's ``<|im_end|>``) and never generates the newline the template writes next."""
     mark = _MARK.format(i)
     probe_msg = {k: v for k, v in messages[i].items() if k != "tool_calls"}
     probe = _render(tokenizer, messages[:i] + [dict(probe_msg, content=mark)], False, kwargs)
-    return probe[_once(probe, mark, "a probe assistant message") + len(mark):]
+    return probe[_once(probe, mark, "a probe assistant message") + len(mark):].rstrip()
 
 
 def _tool_turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, start: int,
@@ -207,7 +243,8 @@ def _tool_turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, star
     rendering: Qwen3 puts a newline before a call that follows content); instead the turn's
     own text must not hold the end of turn, which makes the first one its end."""
     closing = _closing(tokenizer, messages, i, kwargs)
-    own = messages[i]["content"] + json.dumps(messages[i]["tool_calls"], ensure_ascii=False)
+    own = messages[i]["content"] + str(messages[i].get("reasoning_content") or "") \
+        + json.dumps(messages[i]["tool_calls"], ensure_ascii=False)
     if not closing.strip() or closing.strip() in own:
         raise DataError(f"ambiguous loss mask: assistant message {i} contains the template's "
                         f"end of turn {closing.strip()!r} (or the template has none)")
@@ -220,17 +257,19 @@ def _tool_turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, star
     return end + len(closing)
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict],
-                    kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer: Any, messages: list[dict], kwargs: dict | None = None,
+                    turns: list[int] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendering of the whole conversation and the character span of every assistant
-    turn in it, from the end of its generation prompt to the end of its turn (end-of-turn
-    token included; a turn's ``tool_calls`` as the template renders them are in it, the
-    ``tool`` messages after it are not). ``kwargs``: chat template arguments, with the
-    record's ``tools`` under ``"tools"``. Raises :class:`DataError` where the template makes a
-    span ambiguous."""
+    turn in it (or of the assistant messages ``turns``), from the end of its generation
+    prompt to the end of its turn (end-of-turn token included; a turn's ``tool_calls`` as the
+    template renders them are in it, the ``tool`` messages after it are not; the reasoning
+    the template shows is in it, the reasoning it drops is not). ``kwargs``: chat template
+    arguments, with the record's ``tools`` under ``"tools"``. Raises :class:`DataError` where
+    the template makes a span ambiguous."""
     kwargs = kwargs or {}
     full = _render(tokenizer, messages, False, kwargs)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if turns is None:
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     called = {i for i in turns if messages[i].get("tool_calls")}
     for i in turns:
         if not isinstance(messages[i]["content"], str):
@@ -255,7 +294,8 @@ def assistant_spans(tokenizer: Any, messages: list[dict],
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict], kwargs: dict | None = None,
-                          tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+                          tools: list[dict] | None = None, turns: list[int] | None = None
+                          ) -> tuple[list[int], list[int]]:
     """Token ids of the chat-templated conversation and a mask over its assistant turns.
 
     The ids are the tokenisation of the template's rendering of the whole conversation
@@ -263,13 +303,14 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], kwargs: dict | N
     is 1 on exactly the tokens of the assistant turns as they appear there (see
     :func:`assistant_spans`), 0 on generation prompts and other messages. ``kwargs``: chat
     template arguments (default: the tokenizer's ``--chat-template-kwargs``); ``tools``: the
-    record's tool schemas, passed to the template. A token that straddles a span boundary is
-    an error, never a guess.
+    record's tool schemas, passed to the template; ``turns``: only these assistant messages
+    are trained (default: all). A token that straddles a span boundary is an error, never a
+    guess.
     """
     kwargs = chat_template_kwargs(tokenizer) if kwargs is None else dict(kwargs)
     if tools is not None:
         kwargs["tools"] = tools
-    full, spans = assistant_spans(tokenizer, messages, kwargs)
+    full, spans = assistant_spans(tokenizer, messages, kwargs, turns)
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("SFT needs a fast tokenizer (character offsets to place the loss mask)")
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -281,6 +322,22 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], kwargs: dict | N
                             "end of an assistant turn")
         mask.append(int(inside))
     return list(enc["input_ids"]), mask
+
+
+MULTI_TURN = ("whole", "per-turn")
+
+
+def conversation_samples(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+                         multi_turn: str = "whole") -> list[tuple[list[int], list[int]]]:
+    """The (ids, loss mask) samples of one conversation under ``--sft-multi-turn``:
+    ``whole``: one sample, every assistant turn trained as the whole conversation renders it
+    (Qwen3 drops the reasoning of turns before the last user query, so it is not trained);
+    ``per-turn``: one sample per assistant turn, the conversation up to it rendered as at
+    generation time (the turn last, its reasoning shown), only that turn trained."""
+    if multi_turn == "whole":
+        return [tokenize_conversation(tokenizer, messages, tools=tools)]
+    return [tokenize_conversation(tokenizer, messages[:i + 1], tools=tools, turns=[i])
+            for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 def check_sft_records(path: str | Path, limit: int, *, prompt_key: str = "prompt",
@@ -295,32 +352,37 @@ def check_sft_records(path: str | Path, limit: int, *, prompt_key: str = "prompt
 def load_sft_dataset(path: str | Path, tokenizer: Any, *, max_length: int,
                      prompt_key: str = "prompt", response_key: str = "response",
                      messages_key: str = "messages", overflow: str = "truncate",
-                     ) -> tuple[list[SFTSample], SFTStats]:
-    """Tokenise every record of a JSONL/Parquet file; sequences fit in ``max_length`` tokens."""
+                     multi_turn: str = "whole") -> tuple[list[SFTSample], SFTStats]:
+    """Tokenise every record of a JSONL/Parquet file into samples (``multi_turn``: see
+    :func:`conversation_samples`); sequences fit in ``max_length`` tokens."""
     if overflow not in ("truncate", "drop"):
         raise DataError(f"--overflow must be 'truncate' or 'drop', got {overflow!r}")
+    if multi_turn not in MULTI_TURN:
+        raise DataError(f"--sft-multi-turn must be one of {', '.join(MULTI_TURN)}, "
+                        f"got {multi_turn!r}")
     samples: list[SFTSample] = []
     stats = SFTStats()
     for line, rec in load_records(path):
         where = f"{path}:{line}"
         try:
-            ids, mask = tokenize_conversation(
+            tokenized = conversation_samples(
                 tokenizer, _messages(rec, where, prompt_key, response_key, messages_key),
-                tools=_record_tools(rec, where))
+                _record_tools(rec, where), multi_turn)
         except DataError as exc:
             msg = str(exc)
             raise DataError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-        stats.lengths.append(len(ids))
-        if len(ids) > max_length:
-            if overflow == "drop":
-                stats.dropped += 1
+        for ids, mask in tokenized:
+            stats.lengths.append(len(ids))
+            if len(ids) > max_length:
+                if overflow == "drop":
+                    stats.dropped += 1
+                    continue
+                stats.truncated += 1
+                ids, mask = ids[:max_length], mask[:max_length]
+            if sum(mask[1:]) == 0:
+                stats.dropped += 1  # nothing left to learn after truncation
                 continue
-            stats.truncated += 1
-            ids, mask = ids[:max_length], mask[:max_length]
-        if sum(mask[1:]) == 0:
-            stats.dropped += 1  # nothing left to learn after truncation
-            continue
-        samples.append(SFTSample(len(samples), ids, mask))
+            samples.append(SFTSample(len(samples), ids, mask))
     stats.loaded = len(samples)
     if not samples:
         raise DataError(f"{path}: no usable samples (loaded 0, dropped {stats.dropped})")

@@ -28,6 +28,7 @@ from megatron_klear.data.prompts import parse_chat_template_kwargs
 from megatron_klear.rollout.tool_flags import check_tools_chat_template
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine
+from megatron_klear.train.learning_signal import LearningSignalMonitor
 from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
 from megatron_klear.train.memory import Workload
 from megatron_klear.train.placement import build_placement, rollout_servers
@@ -55,6 +56,8 @@ def train(cfg: RLConfig) -> list[dict]:
     stream = PromptStream(prompts, cfg.seed, run.position)
     params = cfg.sampling_params(stop_token_ids=[tokenizer.eos_token_id])
     log = open_log(cfg, "rl", run.step)
+    signal = LearningSignalMonitor(cfg.max_skipped_steps,
+                                   None if torch.distributed.get_rank() == 0 else lambda _: None)
     with rollout_servers(cfg) as servers, RolloutClient(servers.urls).keep_alive() as client:
         placement = build_placement(cfg, servers.urls, engine, client)
         placement.start(str(run.step))  # the servers start from the trainer's weights
@@ -62,9 +65,12 @@ def train(cfg: RLConfig) -> list[dict]:
                                                run.step)) as source:
 
             def take_step(step: int) -> dict:
-                """Rollout, training, weight sync (and probe), periodic eval: step + 1."""
+                """Rollout, training, weight sync (and probe), periodic eval: step + 1;
+                first stops a run whose last --max-skipped-steps steps trained nothing."""
+                signal.check()
                 metrics = rl_step(engine, cfg, source, tokenizer, step, reference,
                                   placement.before_train)
+                signal.observe(step + 1, metrics)
                 metrics.update(placement.sync_and_probe(
                     str(step + 1), cfg.probe_due(step + 1, first=step == run.step)))
                 source.weights_updated(step + 1)

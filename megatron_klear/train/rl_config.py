@@ -26,6 +26,7 @@ from megatron_klear.rollout.sampling import SamplingParams
 from megatron_klear.rollout.tool_flags import ToolFlags
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
+from megatron_klear.train.learning_signal import WARN_EVERY
 
 
 def async_share(cores: int) -> int:
@@ -157,6 +158,10 @@ class DynamicSamplingFlags(Section):
                                     choices=("reward", "acc"))
     overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
                                 "group filter (no loss tokens, not in the group advantages)")
+    max_skipped_steps: int = opt(30, "stop the run (exit 1) after this many steps in a row "
+                                 "skipped for want of groups with a reward spread (all 0 or "
+                                 f"all 1); a warning every {WARN_EVERY} such steps says which "
+                                 "and what helps")
 
     def validate_section(self) -> None:
         """Over-generation flags (Klear's recipe, docs/recipe.md); 0 is "off"."""
@@ -170,6 +175,8 @@ class DynamicSamplingFlags(Section):
         if self.max_sampling_rounds < 1:
             raise ConfigError(f"--max-sampling-rounds must be >= 1, got "
                               f"{self.max_sampling_rounds}")
+        if self.max_skipped_steps < 1:
+            raise ConfigError(f"--max-skipped-steps must be >= 1, got {self.max_skipped_steps}")
         if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
             raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
                               f"{self.max_gen_rounds}")

@@ -81,7 +81,8 @@ def train(cfg: SFTConfig) -> list[dict]:
     set_chat_template_kwargs(tokenizer, parse_chat_template_kwargs(cfg.chat_template_kwargs))
     samples, stats = load_sft_dataset(
         cfg.data_path, tokenizer, max_length=cfg.seq_length + 1, prompt_key=cfg.prompt_key,
-        response_key=cfg.response_key, messages_key=cfg.messages_key, overflow=cfg.overflow)
+        response_key=cfg.response_key, messages_key=cfg.messages_key, overflow=cfg.overflow,
+        multi_turn=cfg.sft_multi_turn)
     run = start_run(cfg, arch, "consumed_bins")
     backend = loss_backend(cfg.loss_backend)
     consumed = run.position

@@ -7,7 +7,7 @@ from typing import Any
 
 from megatron_klear.config import ConfigError, Section, TrainConfig, opt
 from megatron_klear.data.prompt_flags import FIRST_RECORDS, TemplateFlags, check_data_file
-from megatron_klear.data.sft import check_sft_records
+from megatron_klear.data.sft import MULTI_TURN, check_sft_records
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 
 
@@ -22,6 +22,11 @@ class SFTDataFlags(Section):
     messages_key: str = opt("messages", "chat messages field of a record (used when present)")
     overflow: str = opt("truncate", "sequences longer than --seq-length",
                         choices=("truncate", "drop"))
+    sft_multi_turn: str = opt("whole", "multi-turn records: 'whole' trains each assistant turn "
+                              "as the whole conversation renders it (earlier reasoning dropped "
+                              "as the template drops it); 'per-turn' makes each assistant turn "
+                              "its own sample, rendered as at generation time",
+                              choices=MULTI_TURN)
     pack: bool = opt(True, "pack several samples per bin (--no-pack: one sample per bin)")
     max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch: bins of at most "
                                          "this many tokens, one bin per micro-batch (unset: bins "
