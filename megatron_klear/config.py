@@ -434,8 +434,10 @@ class LoraFlags(Section):
 
 PEFT_ADAPTER_CONFIG = "adapter_config.json"
 # LoraConfig fields that, when set, make PEFT compute what this project's LoRA does not
-_PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "bias", "rank_pattern", "alpha_pattern",
-                     "modules_to_save", "layers_to_transform", "fan_in_fan_out")
+_PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "bias", "lora_bias", "rank_pattern",
+                     "alpha_pattern", "modules_to_save", "layers_to_transform",
+                     "exclude_modules", "fan_in_fan_out", "use_qalora", "layer_replication",
+                     "target_parameters", "trainable_token_indices", "alora_invocation_tokens")
 
 
 def with_peft_adapter_values(values: dict[str, Any]) -> dict[str, Any]:
