@@ -31,7 +31,8 @@ import yaml
 
 __all__ = ["ConfigError", "OneLineParser", "Section", "TrainConfig", "parse_config", "flag",
            "to_dict", "LAYOUT_FIELDS", "add_layout_flags", "add_section_flags", "parallel_layout",
-           "layout_from_args", "section_from_args", "with_peft_adapter_values"]
+           "layout_from_args", "section_from_args", "with_peft_adapter_values",
+           "PEFT_ADAPTER_CONFIG", "PEFT_ADAPTER_WEIGHTS"]
 
 T = TypeVar("T", bound="TrainConfig")
 
@@ -39,6 +40,8 @@ T = TypeVar("T", bound="TrainConfig")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 # the HF (PEFT) module names LoRA can target (models/lora.py maps them to megatron's layers)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a PEFT LoRA folder's files (--lora-load; checkpoint/peft_io.py writes and reads them)
+PEFT_ADAPTER_CONFIG, PEFT_ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 class ConfigError(ValueError):
@@ -426,13 +429,12 @@ class LoraFlags(Section):
 
     def check_inputs_section(self, model: Any) -> None:
         """``--lora-load``'s weights file is here (its config was read when the flags parsed)."""
-        weights = Path(self.lora_load or ".") / "adapter_model.safetensors"
+        weights = Path(self.lora_load or ".") / PEFT_ADAPTER_WEIGHTS
         if self.lora_load and not weights.is_file():
             raise ConfigError(f"--lora-load {self.lora_load}: {weights} not found; a PEFT LoRA "
-                              "folder holds adapter_config.json and adapter_model.safetensors")
+                              f"folder holds {PEFT_ADAPTER_CONFIG} and {PEFT_ADAPTER_WEIGHTS}")
 
 
-PEFT_ADAPTER_CONFIG = "adapter_config.json"
 # LoraConfig fields that, when set, make PEFT compute what this project's LoRA does not
 _PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "bias", "lora_bias", "rank_pattern",
                      "alpha_pattern", "modules_to_save", "layers_to_transform",
@@ -456,7 +458,7 @@ def with_peft_adapter_values(values: dict[str, Any]) -> dict[str, Any]:
         peft = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--lora-load {folder}: cannot read {path} ({exc}); a PEFT LoRA "
-                          "folder holds adapter_config.json and adapter_model.safetensors") \
+                          f"folder holds {PEFT_ADAPTER_CONFIG} and {PEFT_ADAPTER_WEIGHTS}") \
             from None
     if not isinstance(peft, dict) or peft.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"--lora-load {path}: not a PEFT LoRA config (peft_type must be LORA)")
@@ -471,17 +473,16 @@ def with_peft_adapter_values(values: dict[str, Any]) -> dict[str, Any]:
     for key, value in (("r", rank), ("lora_alpha", alpha)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"--lora-load {path}: {key} {value!r} must be a positive number")
-    adapter = {"lora_rank": rank, "lora_alpha": float(alpha),
-               "lora_target_modules": sorted(targets)}
+    adapter = {"lora_rank": ("r", rank), "lora_alpha": ("lora_alpha", float(alpha)),
+               "lora_target_modules": ("target_modules", sorted(targets))}
     out = dict(values)
-    for name, saved in adapter.items():
+    for name, (key, saved) in adapter.items():
         given = values.get(name)
         if given is None:
             out[name] = saved
         elif (sorted(given) if name == "lora_target_modules" else given) != saved:
-            raise ConfigError(f"{flag(name)} {given} but --lora-load {path} has "
-                              f"{'r' if name == 'lora_rank' else name[5:]} {saved}: drop "
-                              f"{flag(name)} or pass the adapter's value")
+            raise ConfigError(f"{flag(name)} {given} but --lora-load {path} has {key} {saved}: "
+                              f"drop {flag(name)} or pass the adapter's value")
     return out
 
 
