@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ import yaml
 
 __all__ = ["ConfigError", "OneLineParser", "Section", "TrainConfig", "parse_config", "flag",
            "to_dict", "LAYOUT_FIELDS", "add_layout_flags", "add_section_flags", "parallel_layout",
-           "layout_from_args", "section_from_args"]
+           "layout_from_args", "section_from_args", "with_peft_adapter_values",
+           "PEFT_ADAPTER_CONFIG", "PEFT_ADAPTER_WEIGHTS"]
 
 T = TypeVar("T", bound="TrainConfig")
 
@@ -38,6 +40,8 @@ T = TypeVar("T", bound="TrainConfig")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 # the HF (PEFT) module names LoRA can target (models/lora.py maps them to megatron's layers)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a PEFT LoRA folder's files (--lora-load; checkpoint/peft_io.py writes and reads them)
+PEFT_ADAPTER_CONFIG, PEFT_ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 class ConfigError(ValueError):
@@ -397,13 +401,19 @@ class LoraFlags(Section):
     lora_target_modules: list[str] | None = opt(
         None, "HF module names that get adapters (PEFT's target_modules), from q_proj k_proj "
               "v_proj o_proj gate_proj up_proj down_proj (default: all seven)")
+    lora_load: str | None = opt(
+        None, "PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to "
+              "start from, on the base of --load or --hf-checkpoint; its r, lora_alpha and "
+              "target_modules are the run's unless --lora-rank / --lora-alpha / "
+              "--lora-target-modules are given, which must then agree with them")
 
     def validate_section(self) -> None:
         """The LoRA flags: rank, alpha, dropout and targets (the names PEFT uses)."""
         if self.lora_rank < 0:
             raise ConfigError(f"--lora-rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
         lora_only = [n for n, on in (("lora_target_modules", self.lora_target_modules),
-                                     ("lora_dropout", self.lora_dropout)) if on]
+                                     ("lora_dropout", self.lora_dropout),
+                                     ("lora_load", self.lora_load)) if on]
         if not self.lora_rank:
             if lora_only:
                 raise ConfigError(f"{flag(lora_only[0])} needs --lora-rank R > 0")
@@ -416,6 +426,64 @@ class LoraFlags(Section):
         if bad or self.lora_target_modules == []:
             raise ConfigError(f"--lora-target-modules {bad or '[]'}: choose from "
                               f"{list(LORA_TARGETS)}")
+
+    def check_inputs_section(self, model: Any) -> None:
+        """``--lora-load``'s weights file is here (its config was read when the flags parsed)."""
+        weights = Path(self.lora_load or ".") / PEFT_ADAPTER_WEIGHTS
+        if self.lora_load and not weights.is_file():
+            raise ConfigError(f"--lora-load {self.lora_load}: {weights} not found; a PEFT LoRA "
+                              f"folder holds {PEFT_ADAPTER_CONFIG} and {PEFT_ADAPTER_WEIGHTS}")
+
+
+# LoraConfig fields that, when set, make PEFT compute what this project's LoRA does not
+_PEFT_UNSUPPORTED = ("use_dora", "use_rslora", "bias", "lora_bias", "rank_pattern",
+                     "alpha_pattern", "modules_to_save", "layers_to_transform",
+                     "exclude_modules", "fan_in_fan_out", "use_qalora", "layer_replication",
+                     "target_parameters", "trainable_token_indices", "alora_invocation_tokens")
+
+
+def with_peft_adapter_values(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (the flags given, by field name) with ``lora_rank``, ``lora_alpha`` and
+    ``lora_target_modules`` taken from ``--lora-load``'s adapter_config.json where not given.
+
+    A given flag that differs from the adapter's value, an adapter PEFT builds differently
+    from this project's LoRA (DoRA, rsLoRA, biases, per-layer ranks, ...) or a missing or
+    unreadable config raise :class:`ConfigError` naming the file, the field and the flag, at
+    parse time (the dry run too), before any model is built."""
+    folder = values.get("lora_load")
+    if not folder:
+        return values
+    path = Path(folder) / PEFT_ADAPTER_CONFIG
+    try:
+        peft = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--lora-load {folder}: cannot read {path} ({exc}); a PEFT LoRA "
+                          f"folder holds {PEFT_ADAPTER_CONFIG} and {PEFT_ADAPTER_WEIGHTS}") \
+            from None
+    if not isinstance(peft, dict) or peft.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"--lora-load {path}: not a PEFT LoRA config (peft_type must be LORA)")
+    for key in _PEFT_UNSUPPORTED:
+        if peft.get(key) not in (None, False, "none", {}, []):
+            raise ConfigError(f"--lora-load {path}: {key} {peft[key]!r} is not supported (plain "
+                              "LoRA only); merge the adapter into the base or retrain it")
+    targets, rank, alpha = peft.get("target_modules"), peft.get("r"), peft.get("lora_alpha")
+    if isinstance(targets, str) or not targets or set(targets) - set(LORA_TARGETS):
+        raise ConfigError(f"--lora-load {path}: target_modules {targets!r} must be a list of "
+                          f"module names from {list(LORA_TARGETS)}")
+    for key, value in (("r", rank), ("lora_alpha", alpha)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"--lora-load {path}: {key} {value!r} must be a positive number")
+    adapter = {"lora_rank": ("r", rank), "lora_alpha": ("lora_alpha", float(alpha)),
+               "lora_target_modules": ("target_modules", sorted(targets))}
+    out = dict(values)
+    for name, (key, saved) in adapter.items():
+        given = values.get(name)
+        if given is None:
+            out[name] = saved
+        elif (sorted(given) if name == "lora_target_modules" else given) != saved:
+            raise ConfigError(f"{flag(name)} {given} but --lora-load {path} has {key} {saved}: "
+                              f"drop {flag(name)} or pass the adapter's value")
+    return out
 
 
 @dataclass
@@ -552,6 +620,8 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | No
     config = args.pop("config", None)
     values = _load_yaml(config, cls) if config else {}
     values.update(args)
+    if issubclass(cls, LoraFlags):
+        values = with_peft_adapter_values(values)
     for name, why in cls.unread_flags.items():
         if name in values:
             raise ConfigError(f"{flag(name)} is not read by {prog or cls.__name__}: {why}; "
@@ -571,22 +641,30 @@ def to_dict(cfg: TrainConfig) -> dict:
 # ---------------------------------------------------------------- sections in other CLIs
 def add_section_flags(parser: argparse.ArgumentParser, section: type[Section],
                       only: Sequence[str] | None = None,
-                      aliases: dict[str, Sequence[str]] | None = None) -> None:
+                      aliases: dict[str, Sequence[str]] | None = None,
+                      unset: bool = False) -> None:
     """Add a section's flags (``only`` these fields, when given) to another CLI's parser:
     same names, types, defaults and help as the trainers', so a flag means one thing
-    everywhere (klear-eval takes the prompt section; the tools the layout flags)."""
+    everywhere (klear-eval takes the prompt section; the tools the layout flags). With
+    ``unset`` a flag not given is absent from the parsed namespace (as the trainers' parser
+    leaves it), so :func:`section_from_args` can tell it from one given at its default."""
     group = parser.add_argument_group(f"{section.title} (as the trainers take them)")
     hints = typing.get_type_hints(section)
     for f in dataclasses.fields(section):  # its own flags and those of the sections it extends
         if only is None or f.name in only:
-            _add_flag(group, f, hints[f.name], default=f.default,
+            _add_flag(group, f, hints[f.name],
+                      default=argparse.SUPPRESS if unset else f.default,
                       aliases=(aliases or {}).get(f.name, ()))
 
 
 def section_from_args(section: type[Section], args: argparse.Namespace) -> Any:
     """A validated ``section`` built from another CLI's flags added by
-    :func:`add_section_flags` (raises :class:`ConfigError` naming the flag)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(section)}
+    :func:`add_section_flags` (raises :class:`ConfigError` naming the flag). Flags left
+    unset take the field defaults; LoRA's take ``--lora-load``'s adapter values first."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(section)
+              if hasattr(args, f.name)}
+    if issubclass(section, LoraFlags):
+        values = with_peft_adapter_values(values)
     instance = section(**values)
     instance.validate()
     return instance

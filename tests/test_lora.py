@@ -477,7 +477,8 @@ def test_rl_with_lora_trains_syncs_merged_weights_and_resumes_bitwise(hf_model, 
     (dict(lora_rank=4, lora_alpha=0.0), "--lora-alpha"),
     (dict(lora_rank=4, lora_dropout=1.0), "--lora-dropout"),
     (dict(lora_dropout=0.1), "--lora-dropout needs --lora-rank"),
-    (dict(lora_target_modules=["q_proj"]), "--lora-target-modules needs --lora-rank")])
+    (dict(lora_target_modules=["q_proj"]), "--lora-target-modules needs --lora-rank"),
+    (dict(lora_load="adapter"), "--lora-load needs --lora-rank")])
 def test_bad_lora_flags_are_refused_by_name(flags, message):
     from megatron_klear.config import ConfigError, TrainConfig
 

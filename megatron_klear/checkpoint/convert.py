@@ -22,15 +22,17 @@ Every output is written to a temp dir next to the target and renamed at the end.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
 import math
 import os
 import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,9 +47,11 @@ from megatron_klear.checkpoint.hf_io import (ConversionError, SafetensorsReader,
                                              tmp_dir, write_index)
 from megatron_klear.checkpoint.state import (find_latest_checkpoint, load_checkpoint, read_meta,
                                              save_checkpoint)
+from megatron_klear.checkpoint.peft_io import export_peft_adapter, load_peft_adapter
 from megatron_klear.config import TrainConfig, parallel_layout
 from megatron_klear.distributed import initialize_parallel
 from megatron_klear.models import qwen3
+from megatron_klear.models.lora import LoraSpec, apply_lora
 from megatron_klear.models.context_parallel_layout import slice_for_cp_rank, \
     unslice_from_cp_ranks
 from megatron_klear.models.pipeline_layout import PipelineLayout
@@ -350,43 +354,89 @@ def megatron_logits(model: torch.nn.Module | list[torch.nn.Module], arch: qwen3.
     return logits[..., : arch.vocab_size].float()
 
 
-def compare_logits(hf_dir: str | Path, megatron_dir: str | Path, *, tp: int = 1, pp: int = 1,
-                   batch_size: int = 2, seq_length: int = 32, seed: int = 0,
-                   layout: TrainConfig | None = None) -> float:
+def compare_logits(hf_dir: str | Path, megatron_dir: str | Path | None, *, tp: int = 1,
+                   pp: int = 1, batch_size: int = 2, seq_length: int = 32, seed: int = 0,
+                   layout: TrainConfig | None = None, lora: LoraSpec | None = None,
+                   peft_dir: str | Path | None = None) -> float:
     """Max |HF logits - Megatron logits| on random token ids (fp32); same value on all ranks.
 
     Collective over the ranks of one model replica (torchrun); builds the model as the
     trainer does at ``tp`` x ``pp``, or at the trainer's whole ``layout`` (uneven stages,
     VPP, EP), and loads the Megatron checkpoint into it in fp32, whatever layout it was
-    saved at.
+    saved at. With ``lora`` the model gets adapters: from ``peft_dir`` (a PEFT LoRA folder,
+    on the base of ``megatron_dir``'s full checkpoint, else of ``hf_dir``'s weights) or from
+    ``megatron_dir``'s adapters-only checkpoint (on ``hf_dir``'s weights); the reference is
+    then transformers + ``peft`` with that folder, or with the checkpoint's adapters
+    exported as one.
     """
     layout = _layout(layout, tp, pp)
     hf_config = qwen3.load_hf_config(hf_dir)
     arch = qwen3.qwen3_config_from_hf(hf_config)
     pipeline = _check_layout(arch, layout)
-    if find_latest_checkpoint(megatron_dir) is None:
+    ckpt = find_latest_checkpoint(megatron_dir) if megatron_dir else None
+    if megatron_dir and ckpt is None:
         raise ConversionError(f"--megatron-dir {megatron_dir}: no complete checkpoint found")
+    adapters_only = ckpt is not None and bool(read_meta(ckpt).get("lora"))
+    if (peft_dir or adapters_only) and lora is None:
+        raise ConversionError("adapters need the LoRA flags: --lora-load DIR, or --lora-rank "
+                              "(and --lora-alpha, --lora-target-modules) as the run trained them")
+    if peft_dir and adapters_only:
+        raise ConversionError(f"--lora-load {peft_dir} and the adapters-only checkpoint "
+                              f"{megatron_dir} both give adapters: drop one")
+    if ckpt is None and peft_dir is None:
+        raise ConversionError("give --megatron-dir (a checkpoint) or --lora-load (a PEFT folder "
+                              "on --hf-dir's weights)")
     init_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                   vpp=pipeline.virtual_size, ep=layout.expert_model_parallel_size,
                   etp=layout.expert_tensor_parallel_size)
     chunks = [chunk.eval() for chunk in qwen3.build_model_chunks(arch, layout)]
-    load_checkpoint(megatron_dir, chunks, load_rng=False)
+    for chunk in chunks if lora is not None else ():
+        apply_lora(chunk, arch, lora)
+    if ckpt is None or adapters_only:  # the base from the HF weights
+        hf_bridge.load_hf_weights(chunks, arch, SafetensorsReader(str(hf_dir)))
+    if ckpt is not None:
+        load_checkpoint(megatron_dir, chunks, load_rng=False)
+    if peft_dir is not None:
+        load_peft_adapter(chunks, lora, peft_dir)
     ids = torch.randint(0, arch.vocab_size, (batch_size, seq_length),
                         generator=torch.Generator().manual_seed(seed))
     logits = megatron_logits(chunks, arch, ids)
-    diff = torch.zeros((), dtype=torch.float64, device=platform.device())  # NCCL: on the GPU
-    if logits is not None:
-        diff.fill_((hf_logits(hf_dir, ids) - logits.cpu()).abs().max().item())
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    with _reference_adapter(chunks, lora, peft_dir, adapters_only) as adapter:
+        diff = torch.zeros((), dtype=torch.float64, device=platform.device())  # NCCL: GPU
+        if logits is not None:
+            diff.fill_((hf_logits(hf_dir, ids, adapter) - logits.cpu()).abs().max().item())
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)
 
 
-def hf_logits(hf_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM logits (fp32, eager attention):
-    the reference."""
+@contextlib.contextmanager
+def _reference_adapter(chunks, lora: LoraSpec | None, peft_dir: str | Path | None,
+                       export: bool) -> Iterator[str | Path | None]:
+    """The PEFT folder of the reference: ``peft_dir``, or with ``export`` the model's
+    adapters exported into a temp dir (collective; removed afterwards)."""
+    if not export:
+        yield peft_dir
+        return
+    held = [tempfile.mkdtemp(prefix="compare_logits_peft_") if _rank() == 0 else None]
+    dist.broadcast_object_list(held, src=0)
+    try:
+        yield export_peft_adapter(chunks, lora, Path(held[0]) / "peft")
+    finally:
+        if _rank() == 0:
+            shutil.rmtree(held[0], ignore_errors=True)
+
+
+def hf_logits(hf_dir: str | Path, input_ids: torch.Tensor,
+              peft_dir: str | Path | None = None) -> torch.Tensor:
+    """transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM logits (fp32, eager attention),
+    with ``peft`` loading the LoRA folder ``peft_dir`` when given: the reference."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
                                              attn_implementation="eager").eval()
+    if peft_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(peft_dir)).eval()
     with torch.no_grad():
         return model(input_ids).logits.float()

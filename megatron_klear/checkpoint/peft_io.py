@@ -22,13 +22,12 @@ from megatron.core import parallel_state as ps
 from safetensors.torch import load_file, save_file
 
 from megatron_klear.checkpoint.hf_io import ConversionError, publish_dir, tmp_dir
+from megatron_klear.config import PEFT_ADAPTER_CONFIG as ADAPTER_CONFIG
+from megatron_klear.config import PEFT_ADAPTER_WEIGHTS as ADAPTER_WEIGHTS
 from megatron_klear.models.lora import LoraSpec, adapters, hf_module
 
 __all__ = ["export_peft_adapter", "load_peft_adapter", "peft_name", "ADAPTER_CONFIG",
            "ADAPTER_WEIGHTS"]
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def peft_name(layer: int, part: str, matrix: str) -> str:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_klear import platform
-from megatron_klear.config import TrainConfig
+from megatron_klear.config import ConfigError, TrainConfig
 from megatron_klear.distributed import initialize_parallel
 from megatron_klear.models.lora import apply_lora, lora_spec
 from megatron_klear.models.pipeline_layout import PipelineLayout
@@ -350,13 +350,15 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
     only (one log line says so) and the run starts at step 0. Without a checkpoint the
     ``--hf-checkpoint`` weights are loaded. A LoRA run (``--lora-rank``) first loads its
     frozen base (``--load``'s full checkpoint, else ``--hf-checkpoint``); the rules above
-    then apply to LoRA (adapters-only) checkpoints, see docs/lora.md.
+    then apply to LoRA (adapters-only) checkpoints, and a run that does not resume takes its
+    adapters from ``--lora-load``'s PEFT folder when given, see docs/lora.md.
 
     Returns the :class:`~megatron_klear.checkpoint.state.CheckpointInfo` of a resumed run,
     or None for a run that starts at step 0.
     """
     from megatron_klear.checkpoint.hf_io import SafetensorsReader
     from megatron_klear.checkpoint.hf_bridge import load_hf_weights
+    from megatron_klear.checkpoint.peft_io import load_peft_adapter
     from megatron_klear.checkpoint.state import load_checkpoint
 
     cfg = engine.cfg
@@ -364,6 +366,9 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
     if lora:  # the frozen base first; the adapters then come from a LoRA checkpoint, if any
         _load_lora_base(engine)
     src, resume = pick_checkpoint(cfg)
+    if src is not None and not resume and cfg.lora_load:
+        raise ConfigError(f"--lora-load {cfg.lora_load} and the LoRA checkpoint under {src} both "
+                          "give the adapters to start from: drop one")
     if src is not None:
         restore = resume and not cfg.no_load_optim and with_optimizer
         info = load_checkpoint(src, engine.model,
@@ -382,6 +387,8 @@ def restore_or_init(engine: Engine, *, with_optimizer: bool = True):
         return None
     if cfg.hf_checkpoint and not lora:
         load_hf_weights(engine.model, engine.arch, SafetensorsReader(cfg.hf_checkpoint))
+    if cfg.lora_load:  # a PEFT adapter to start from (a resumed run has its own adapters)
+        load_peft_adapter(engine.model, lora_spec(cfg), cfg.lora_load)
     if with_optimizer and (cfg.hf_checkpoint or lora):
         _after_weight_load(engine, optimizer_restored=False)
     return None
