@@ -226,8 +226,9 @@ def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
     from megatron_klear.config import _build_parser
     from megatron_klear.data.prompt_flags import PromptFlags
     from megatron_klear.eval.__main__ import build_parser
-    from megatron_klear.rollout import client, sampling
-    from megatron_klear.rollout.tool_flags import ToolFlags
+    from megatron_klear.rollout.engine import server
+    from megatron_klear.rollout.orchestration import client
+    from megatron_klear.rollout.orchestration.tool_flags import ToolFlags
     from megatron_klear.train.rl_config import RLConfig
     from megatron_klear.train.sft_config import SFTConfig
 
@@ -245,4 +246,4 @@ def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
     for name in shared + tools:
         assert ev[name][:2] == rl[name][:2] and ev[name][3:] == rl[name][3:], name
     assert sft["chat_template_kwargs"][3] == rl["chat_template_kwargs"][3]
-    assert client.SamplingParams is sampling.SamplingParams
+    assert client.SamplingParams is server.SamplingParams

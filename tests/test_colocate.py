@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.rollout.client import RolloutClient
-from megatron_klear.rollout.launcher import launch_embedded_servers
-from megatron_klear.rollout.tensor_handles import (bucket_tensors, deserialize, serialize_bucket,
-                                                   shared_buffer)
+from megatron_klear.rollout.orchestration.client import RolloutClient
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
+from megatron_klear.rollout.transport.tensor_handles import (bucket_tensors, deserialize,
+                                                             serialize_bucket, shared_buffer)
 from tests.dist import run_distributed
 from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
 from tests.test_rl import hf_model, prompts  # noqa: F401 (fixtures)
@@ -97,7 +97,7 @@ def test_release_resume_and_update_from_tensor(model_dir):
 def test_resumed_weights_are_undefined_until_updated(model_dir):
     """Resumed weights hold NaN (SGLang's are whatever torch_memory_saver maps), so a rollout
     served between resume and update cannot pass for a synced one; the memory is freed."""
-    from megatron_klear.rollout.generator import Generator
+    from megatron_klear.rollout.engine.generator import Generator
 
     gen = Generator(model_dir)
     total = sum(p.numel() * p.element_size() for p in gen.model.parameters())
@@ -287,7 +287,7 @@ def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:
     GPU 1."""
     from megatron_klear.config import TrainConfig
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.rollout.tensor_handles import serialize_bucket, shared_buffer
+    from megatron_klear.rollout.transport.tensor_handles import serialize_bucket, shared_buffer
     from megatron_klear.train.colocate import Colocation
     from megatron_klear.train.engine import build_engine
 

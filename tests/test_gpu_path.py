@@ -117,8 +117,8 @@ def _gpu_path(rank, world, hf_dir, url, tmp):
     from megatron_klear import platform
     from megatron_klear.checkpoint.convert import compare_logits
     from megatron_klear.ops.backend import loss_backend
-    from megatron_klear.rollout.weight_sync import WeightSync
-    from megatron_klear.rollout.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
+    from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
     from tests.virtual_cuda import virtual_cuda_kernels
 
     assert platform.device().type == "cuda" and torch.cuda.is_available()
@@ -163,7 +163,7 @@ def hf_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def strict_run(hf_dir, tmp_path_factory):
-    from megatron_klear.rollout.launcher import launch_embedded_servers
+    from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 
     tmp = tmp_path_factory.mktemp("gpu_path")
     with launch_embedded_servers(hf_dir, 1, log_dir=tmp) as servers:

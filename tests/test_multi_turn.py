@@ -1,4 +1,4 @@
-"""Multi-turn tool rollouts (rollout/multi_turn.py) with a scripted engine and a Qwen3-style
+"""Multi-turn tool rollouts (rollout/orchestration/multi_turn.py) with a scripted engine and a Qwen3-style
 chat template that has Qwen3's tool parts (tests/data/qwen3_like_tool_chat_template.jinja):
 the ids of a 3-turn tool trajectory are the ids the template renders for the whole
 conversation, the loss mask covers exactly the model's own tokens, and hostile calls are
@@ -13,11 +13,11 @@ from megatron_klear.data.microbatches import pad_microbatches
 from megatron_klear.data.prompts import PromptSample
 from megatron_klear.models.tiny import build_tokenizer
 from megatron_klear.rewards.sandbox import SandboxLimits
-from megatron_klear.rollout.client import Generation, SamplingParams
-from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError, \
+from megatron_klear.rollout.orchestration.client import Generation, SamplingParams
+from megatron_klear.rollout.orchestration.multi_turn import MultiTurnConfig, ToolTemplateError, \
     generate_tool_turns, sampled_turn_end, tool_response_ids
-from megatron_klear.rollout.pipeline import RolloutContext, Sample, score_samples
-from megatron_klear.rollout.tools import PYTHON_SCHEMA, python_tool
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, Sample, score_samples
+from megatron_klear.rollout.orchestration.tools import PYTHON_SCHEMA, python_tool
 from megatron_klear.train.rl_data import RolloutBatch, rollout_stats
 
 TEMPLATE = Path(__file__).parent / "data" / "qwen3_like_tool_chat_template.jinja"
@@ -161,7 +161,7 @@ def test_hostile_calls_are_answered_with_errors_and_the_rollout_goes_on():
 def test_hostile_user_tools_and_a_deeply_nested_call_inside_a_rollout():
     """A user tool that hangs, one that raises, one that floods, and a call nested past
     json's recursion limit (which crashed the step): each answered, the rollout scores."""
-    from megatron_klear.rollout.tools import Tool
+    from megatron_klear.rollout.orchestration.tools import Tool
 
     def schema(name):
         return {"type": "function", "function": {"name": name, "parameters": {}}}
@@ -199,7 +199,7 @@ def test_hostile_user_tools_and_a_deeply_nested_call_inside_a_rollout():
 def test_calls_past_the_per_turn_cap_are_answered_not_run():
     """--max-tool-calls 2: a turn of five calls runs two (the tool counts its runs); the
     other three get an error response each, so every call has its response."""
-    from megatron_klear.rollout.tools import Tool
+    from megatron_klear.rollout.orchestration.tools import Tool
 
     runs = []
     count = Tool("count", {"type": "function", "function": {"name": "count", "parameters": {}}},
@@ -251,7 +251,7 @@ def test_a_turn_cut_by_the_token_limit_ends_with_length():
 def test_a_template_without_tool_support_is_refused_by_name():
     """Negative control of the template delta: the tool-less fixture drops role tool; the
     pre-flight (check_tool_template) refuses it before a run."""
-    from megatron_klear.rollout.multi_turn import check_tool_template
+    from megatron_klear.rollout.orchestration.multi_turn import check_tool_template
 
     cfg = _ctx(_tokenizer(), None).multi_turn
     check_tool_template(_tokenizer(), cfg)
@@ -315,7 +315,7 @@ def test_prompts_with_their_own_tools_and_fixed_arguments(tmp_path):
     import json
 
     from megatron_klear.data.prompts import DataError, load_prompt_dataset
-    from megatron_klear.rollout.tools import load_tool
+    from megatron_klear.rollout.orchestration.tools import load_tool
 
     rec = {"prompt": [{"role": "user", "content": "Q"}], "reward_model": {"ground_truth": "3"},
            "tools": ["add"], "extra_info": {"tools_kwargs": {"add": {"create_kwargs": {"b": 1}}}}}

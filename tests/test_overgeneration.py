@@ -8,7 +8,7 @@ import torch
 
 from megatron_klear.algo.advantages import flat_groups, kept_group_advantages
 from megatron_klear.data.prompts import PromptSample
-from megatron_klear.rollout.client import Generation
+from megatron_klear.rollout.orchestration.client import Generation
 from megatron_klear.train.rl_data import PromptStream, collect_batch
 
 
@@ -50,7 +50,7 @@ def test_trainable_groups_rounds_like_the_official_trainer():
 
 
 class ScriptedClient:
-    """Stands in for rollout/client.py RolloutClient.generate: one list of n Generations per
+    """Stands in for rollout/orchestration/client.py RolloutClient.generate: one list of n Generations per
     prompt, taken in order from a script (text, finish reason) so the rewards are chosen."""
 
     def __init__(self, tokenizer, script):
@@ -73,7 +73,7 @@ UNCLOSED, BARE = "<think>still going", "\\boxed{5}</think> \\boxed{5}"
 
 def test_collect_batch_overgenerates_once_and_keeps_the_first_informative_groups():
     from megatron_klear.models.tiny import build_tokenizer
-    from megatron_klear.rollout.client import SamplingParams
+    from megatron_klear.rollout.orchestration.client import SamplingParams
 
     tok = build_tokenizer()
     stop, length = "stop", "length"
@@ -108,7 +108,7 @@ def test_collect_batch_overgenerates_once_and_keeps_the_first_informative_groups
 
 def test_overlong_filter_drops_responses_without_eos():
     from megatron_klear.models.tiny import build_tokenizer
-    from megatron_klear.rollout.client import SamplingParams
+    from megatron_klear.rollout.orchestration.client import SamplingParams
     from megatron_klear.data.microbatches import sample_fields
 
     tok = build_tokenizer()
@@ -130,7 +130,7 @@ def test_overlong_filter_drops_responses_without_eos():
 
 
 def test_prompt_left_truncation_and_error():
-    from megatron_klear.rollout.pipeline import limit_prompt
+    from megatron_klear.rollout.orchestration.pipeline import limit_prompt
 
     sample = PromptSample(7, [], None)
     ids = list(range(10))

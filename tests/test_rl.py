@@ -332,7 +332,7 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     """SIGKILL mid-run, resume: the same losses, rewards and prompts as an uninterrupted run.
     Both probe every 3 steps (--probe-interval 3): after step 1 (the run's first sync), step
     3, and the resumed run's first step, which a probe must not change."""
-    from megatron_klear.rollout.probe import PROBE_METRIC
+    from megatron_klear.rollout.transport.probe import PROBE_METRIC
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
@@ -460,7 +460,7 @@ def test_tools_with_a_raw_prompt_template_refused_at_parse_time():
     """--tools renders calls and responses through the chat template: klear-rl refuses
     --prompt-template raw with it when the flags are parsed, with klear-eval's message."""
     from megatron_klear.config import ConfigError, parse_config
-    from megatron_klear.rollout.tool_flags import RAW_WITH_TOOLS
+    from megatron_klear.rollout.orchestration.tool_flags import RAW_WITH_TOOLS
     from megatron_klear.train.rl import RLConfig
 
     base = ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--tools", "python"]
@@ -515,7 +515,7 @@ def hostile_every_turn(text: str):
     writes no calls, so every turn makes one, picked by the turn's length: a program for
     the real python tool (printing that length), malformed JSON, or an unknown tool (hostile
     calls, answered as errors while the run goes on)."""
-    from megatron_klear.rollout.tool_calls import parse_hermes
+    from megatron_klear.rollout.orchestration.tool_calls import parse_hermes
 
     body = [f'{{"name": "python", "arguments": {{"code": "print({len(text)})"}}}}',
             '{"name": "python", "arguments": ', '{"name": "rm_rf", "arguments": {}}'][

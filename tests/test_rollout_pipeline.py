@@ -1,4 +1,4 @@
-"""The rollout pipeline's stages (rollout/pipeline.py) and collect_batch's rounds over them,
+"""The rollout pipeline's stages (rollout/orchestration/pipeline.py) and collect_batch's rounds over them,
 against hand-computed values: GRPO advantages over Sample records, a user filter loaded by
 import path, the order of the filters, and the refusals of broken stages and specs."""
 
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from megatron_klear.data.prompts import PromptSample
-from megatron_klear.rollout.client import SamplingParams
-from megatron_klear.rollout.pipeline import RolloutContext, RolloutPipeline, Sample, \
+from megatron_klear.rollout.orchestration.client import SamplingParams
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, RolloutPipeline, Sample, \
     build_pipeline, drop_flat_groups, drop_truncated, grpo_advantages
 from megatron_klear.train.rl_data import PromptStream, RolloutBatch, collect_batch
 from tests.test_overgeneration import ScriptedClient

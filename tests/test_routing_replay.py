@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.rollout.client import RolloutClient, RoutedExpertsMissing, SamplingParams
-from megatron_klear.rollout.launcher import launch_embedded_servers
+from megatron_klear.rollout.orchestration.client import (RolloutClient, RoutedExpertsMissing,
+                                                         SamplingParams)
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 from tests.dist import run_distributed
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]

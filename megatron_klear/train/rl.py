@@ -25,7 +25,7 @@ from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation
     old_logprobs, policy_loss_fn, step_means
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs
-from megatron_klear.rollout.tool_flags import check_tools_chat_template
+from megatron_klear.rollout.orchestration.tool_flags import check_tools_chat_template
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine
 from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
@@ -40,7 +40,7 @@ from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_b
 def train(cfg: RLConfig) -> list[dict]:
     """Run GPPO RL; returns this run's per-step metrics."""
     from megatron_klear.data.prompts import load_prompt_dataset, load_tokenizer
-    from megatron_klear.rollout.client import RolloutClient
+    from megatron_klear.rollout.orchestration.client import RolloutClient
 
     arch = model_arch(cfg)
     tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template,

@@ -22,8 +22,8 @@ from megatron_klear.data.prompt_flags import PromptFlags
 from megatron_klear.rewards import check_reward
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
-from megatron_klear.rollout.sampling import SamplingParams
-from megatron_klear.rollout.tool_flags import ToolFlags
+from megatron_klear.rollout.orchestration.request import SamplingParams
+from megatron_klear.rollout.orchestration.tool_flags import ToolFlags
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
 
@@ -90,7 +90,7 @@ class RolloutFlags(Section):
 
 @dataclass
 class SamplingFlags(Section):
-    """The rollout's sampling (one :class:`~megatron_klear.rollout.sampling.SamplingParams`
+    """The rollout's sampling (one :class:`~megatron_klear.rollout.orchestration.request.SamplingParams`
     contract with klear-eval's --temperature / --top-p / --max-new-tokens)."""
 
     title = "sampling"
@@ -116,7 +116,7 @@ class SamplingFlags(Section):
 
 @dataclass
 class RolloutStageFlags(Section):
-    """The rollout pipeline's stages (rollout/pipeline.py), replaceable by name or import path."""
+    """The rollout pipeline's stages (rollout/orchestration/pipeline.py), replaceable by name or import path."""
 
     title = "rollout stages"
     rollout_stages: list[str] | None = opt(None, "rollout pipeline stages, KIND=NAME or "
@@ -127,7 +127,7 @@ class RolloutStageFlags(Section):
 
     def validate_section(self) -> None:
         """Each entry well formed, its stage registered or importable."""
-        from megatron_klear.rollout.pipeline import build_pipeline
+        from megatron_klear.rollout.orchestration.pipeline import build_pipeline
 
         try:
             build_pipeline(self.rollout_stages)
@@ -490,7 +490,7 @@ class ColocationFlags(Section):
         if self.weight_sync_format != "flattened_bucket":
             raise ConfigError("--colocate passes weights as SGLang flattened buckets of tensor "
                               "handles; drop --weight-sync-format per_tensor")
-        if self.pipeline_model_parallel_size > 1:  # rollout/tensor_sync.py's rule, up front
+        if self.pipeline_model_parallel_size > 1:  # rollout/transport/tensor_sync.py's rule, up front
             raise ConfigError("--colocate with --pipeline-model-parallel-size > 1: every engine "
                               "needs every stage's weights on its own GPU; use "
                               "--pipeline-model-parallel-size 1")

@@ -109,8 +109,8 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
     rise, resume them (train() starts from the launch state and releases them itself), then
     ``klear-rl --colocate`` for two steps in bf16: {"ok", "numbers", "history"}."""
     from megatron_klear.config import parse_config
-    from megatron_klear.rollout.client import RolloutClient
-    from megatron_klear.rollout.probe import PROBE_METRIC
+    from megatron_klear.rollout.orchestration.client import RolloutClient
+    from megatron_klear.rollout.transport.probe import PROBE_METRIC
     from megatron_klear.train.rl import RLConfig, train
 
     client, tags = RolloutClient(urls), {"tags": ["kv_cache", "weights"]}
@@ -141,7 +141,7 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
 
 def sglang_check(tmp: Path) -> None:
     from megatron_klear.models.tiny import save_tiny_hf_model
-    from megatron_klear.rollout.launcher import launch_sglang_servers
+    from megatron_klear.rollout.engine.launcher import launch_sglang_servers
 
     model = save_tiny_hf_model(tmp / "hf", seed=0)
     with launch_sglang_servers(model, 1, mem_fraction=0.3, log_dir=tmp / "logs",

@@ -141,7 +141,7 @@ def te_checkpoints(cfg, tmp: Path) -> None:
 
     from megatron_klear.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.rollout.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
     from megatron_klear.train.engine import build_engine, restore_or_init
     from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
 

@@ -37,7 +37,7 @@ from megatron_klear.import_path import Registry
 from megatron_klear.rewards import score_batch
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
 
 __all__ = ["Sample", "RolloutContext", "RolloutPipeline", "build_pipeline", "register_stage",
            "get_stage", "generate_responses", "score_samples", "drop_truncated",
@@ -64,7 +64,7 @@ class Sample:
     kept: bool = True                  # False: filtered out of the loss and the group stats
     metadata: dict[str, Any] = field(default_factory=dict)  # free for user stages
     # multi-turn rollouts: the turns, tool calls and outputs, why it ended
-    # (rollout/multi_turn.py Trajectory); None for single-turn samples
+    # (rollout/orchestration/multi_turn.py Trajectory); None for single-turn samples
     trajectory: Any = None
 
     @property
@@ -89,7 +89,7 @@ class RolloutContext:
     prompt_limit: tuple[int, str] | None = None  # (max tokens, left | error | off)
     remote: RemoteReward | None = None
     overlong: OverlongShaping | None = None
-    multi_turn: Any = None             # rollout/multi_turn.py MultiTurnConfig (tools, limits)
+    multi_turn: Any = None             # rollout/orchestration/multi_turn.py MultiTurnConfig (tools, limits)
     stats: dict[str, float] = field(default_factory=dict)
 
     def add_stat(self, key: str, value: float) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from megatron_klear.import_path import load_callable
 from megatron_klear.rewards.sandbox import SandboxJob, SandboxLimits, run_python
-from megatron_klear.rollout.tool_calls import ToolCall
+from megatron_klear.rollout.orchestration.tool_calls import ToolCall
 
 __all__ = ["Tool", "ToolResult", "tool", "load_tool", "python_tool", "run_tool_call",
            "PYTHON_SCHEMA"]
@@ -61,7 +61,7 @@ def _schema_name(schema: Any, where: str) -> str:
     if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
         raise ValueError(f"{where}: its schema must look like {{\"type\": \"function\", "
                          "\"function\": {\"name\": ..., \"parameters\": {...}}} (use the "
-                         "megatron_klear.rollout.tools.tool decorator)")
+                         "megatron_klear.rollout.orchestration.tools.tool decorator)")
     return fn["name"]
 
 
