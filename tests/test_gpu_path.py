@@ -38,7 +38,7 @@ VOCAB_KW = dict(global_batch_size=4, micro_batch_size=2, seq_length=64, seed=5)
 def _batch():
     """Two prompts, two samples each (the shape of a GRPO group), uneven lengths."""
     from megatron_klear.algo.advantages import group_advantages
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     g = torch.Generator().manual_seed(2)
     b = RolloutBatch(group_size=2)

@@ -16,9 +16,10 @@ from megatron_klear.rewards.sandbox import SandboxLimits
 from megatron_klear.rollout.orchestration.client import Generation, SamplingParams
 from megatron_klear.rollout.orchestration.multi_turn import MultiTurnConfig, ToolTemplateError, \
     generate_tool_turns, sampled_turn_end, tool_response_ids
-from megatron_klear.rollout.orchestration.pipeline import RolloutContext, Sample, score_samples
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, score_samples
 from megatron_klear.rollout.orchestration.tools import PYTHON_SCHEMA, python_tool
-from megatron_klear.train.rl_data import RolloutBatch, rollout_stats
+from megatron_klear.samples import RolloutBatch, Sample
+from megatron_klear.train.rl_data import rollout_stats
 
 TEMPLATE = Path(__file__).parent / "data" / "qwen3_like_tool_chat_template.jinja"
 PLAIN = Path(__file__).parent / "data" / "qwen3_like_chat_template.jinja"

@@ -116,7 +116,7 @@ def _padded_sp_step(eng) -> dict:
 
     from megatron_klear.data.microbatches import rollout_microbatches
     from megatron_klear.train.rl import train_on_batch
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
     from tests.virtual_cuda import caught
 
     batch = RolloutBatch(group_size=2, prompt_ids=[[5, 6, 7]] * 2 + [[8, 9]] * 2,

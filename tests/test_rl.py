@@ -149,7 +149,7 @@ def test_loss_and_clip_fractions_match_hand_computation(hf_model, request, tp):
 def _long_tail_batch(n_groups=4, group=2):
     """Rollout samples of very different lengths (prompts 3-9, responses 1-30 tokens)."""
     from megatron_klear.algo.advantages import group_advantages
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     g = torch.Generator().manual_seed(5)
     b = RolloutBatch(group_size=group)

@@ -98,7 +98,7 @@ def test_huge_sequence_ratio_stays_finite():
 
 
 def _rl_batch():
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     b = RolloutBatch(group_size=2)
     g = torch.Generator().manual_seed(3)

@@ -8,9 +8,10 @@ import pytest
 
 from megatron_klear.data.prompts import PromptSample
 from megatron_klear.rollout.orchestration.client import SamplingParams
-from megatron_klear.rollout.orchestration.pipeline import RolloutContext, RolloutPipeline, Sample, \
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, RolloutPipeline, \
     build_pipeline, drop_flat_groups, drop_truncated, grpo_advantages
-from megatron_klear.train.rl_data import PromptStream, RolloutBatch, collect_batch
+from megatron_klear.samples import RolloutBatch, Sample
+from megatron_klear.train.rl_data import PromptStream, collect_batch
 from tests.test_overgeneration import ScriptedClient
 
 HERE = "tests.test_rollout_pipeline"

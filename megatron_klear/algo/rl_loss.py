@@ -21,9 +21,10 @@ from megatron_klear.algo.losses import AggregationTotals, MicroCounts, aggregate
     erc_band
 from megatron_klear.algo.rollout_correction import RolloutCorrection, \
     rollout_correction_weights
-from megatron_klear.data.microbatches import RolloutRows, is_positive
+from megatron_klear.data.microbatches import is_positive
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
+from megatron_klear.samples import RolloutBatch
 
 # per-step metrics averaged over optimizer steps; every other train/ metric is a token sum
 PER_STEP_METRICS = ("train/policy_loss", "train/sft_loss", "train/kl_loss", "train/loss")
@@ -118,7 +119,7 @@ def annotate_aggregation(mbs: list[dict]) -> None:
         b["seq_tokens"] = seq_tokens(b)
 
 
-def aggregation_totals(batch: RolloutRows, rows: Sequence[int],
+def aggregation_totals(batch: RolloutBatch, rows: Sequence[int],
                        mini_sequences: int | None = None) -> AggregationTotals:
     """The mini-batch ``rows``' counts that ``--loss-aggregation`` divides by: trained tokens
     of the kept responses (a multi-turn sample's own turns); sequences = ``mini_sequences``,

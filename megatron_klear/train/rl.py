@@ -26,6 +26,7 @@ from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs
 from megatron_klear.rollout.orchestration.tool_flags import check_tools_chat_template
+from megatron_klear.samples import RolloutBatch
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine
 from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
@@ -33,8 +34,7 @@ from megatron_klear.train.memory import Workload
 from megatron_klear.train.placement import build_placement, rollout_servers
 from megatron_klear.train.reference import ReferencePolicy
 from megatron_klear.train.rl_config import RLConfig
-from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
-    collect_batch
+from megatron_klear.train.rl_data import PromptStream, broadcast_batch, collect_batch
 
 
 def train(cfg: RLConfig) -> list[dict]:

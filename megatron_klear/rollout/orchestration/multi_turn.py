@@ -34,11 +34,12 @@ from typing import Any, Sequence
 
 from megatron_klear.data.prompts import PromptSample, chat_template_kwargs
 from megatron_klear.rollout.orchestration.client import SamplingParams, sample_seed
-from megatron_klear.rollout.orchestration.pipeline import RolloutContext, Sample, limit_prompt, \
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, limit_prompt, \
     register_stage
 from megatron_klear.rollout.orchestration.tool_calls import (ParsedTurn, ToolCall, ToolParser,
                                                              parse_hermes)
 from megatron_klear.rollout.orchestration.tools import Tool, ToolResult, run_tool_call
+from megatron_klear.samples import Sample
 
 __all__ = ["MultiTurnConfig", "Trajectory", "generate_tool_turns", "tool_response_ids",
            "sampled_turn_end", "check_tool_template", "turn_request_seed", "ToolTemplateError",
