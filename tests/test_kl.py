@@ -42,7 +42,7 @@ def _swap(rank, world, hf):
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine, restore_or_init
     from megatron_klear.train.reference import ReferencePolicy
-    from megatron_klear.algo.rl_loss import old_logprobs
+    from megatron_klear.algo.rl_objective import old_logprobs
 
     arch = qwen3_config_from_hf(load_hf_config(hf))
     cfg = TrainConfig(hf_checkpoint=hf, tensor_model_parallel_size=2, global_batch_size=2)

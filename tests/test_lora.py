@@ -110,7 +110,7 @@ def _sft(rank, world, hf: Path, out: Path):
     from megatron_klear.models.lora import is_adapter_key
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine, initialize_parallel, restore_or_init
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     base_hf = out / "base_hf"
     full = convert_hf_to_megatron(base_hf, out / "full", dtype="fp32")
@@ -178,7 +178,7 @@ def _layouts_step(rank, world, hf: Path):
     from megatron_klear.checkpoint.peft_io import _stage_tensors
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine, initialize_parallel, restore_or_init
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     arch = qwen3_config_from_hf(load_hf_config(hf))
     out = {}

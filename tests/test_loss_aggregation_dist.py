@@ -62,7 +62,8 @@ def _layouts(rank, world, hf_dir):
     from megatron_klear.distributed import initialize_parallel
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation, policy_loss_fn
+    from megatron_klear.algo.rl_objective import aggregation_totals, annotate_aggregation, \
+        policy_loss_fn
     from megatron_klear.data.microbatches import pad_microbatches
 
     batch = _batch()
@@ -95,7 +96,7 @@ def _layouts(rank, world, hf_dir):
 
 def _fill_old(vocab_size, ks):
     """A forward-only loss that stores old log-probs = current + _old_shift (and entropy)."""
-    from megatron_klear.algo.rl_loss import fill_logprobs
+    from megatron_klear.algo.rl_objective import fill_logprobs
 
     seen = iter(ks)
 

@@ -346,16 +346,16 @@ def test_prompts_with_their_own_tools_and_fixed_arguments(tmp_path):
 def test_loss_aggregation_counts_only_the_trained_tokens(monkeypatch):
     """aggregation_totals (--loss-aggregation's divisors) counts a multi-turn sample's own
     tokens, not its tool tokens; whole responses count every token as before."""
-    from megatron_klear.algo import rl_loss
+    from megatron_klear.algo import rl_objective
 
-    monkeypatch.setattr(rl_loss.parallel_state, "get_data_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(rl_objective.parallel_state, "get_data_parallel_world_size", lambda: 1)
     own = Sample([1], [5, 6, 7, 8, 9], [-.1] * 5, [1, 0, 0, 1, 1], "stop", 0, 0, reward=1.0)
     whole = Sample([1], [5, 6], [-.1] * 2, [1, 1], "stop", 0, 0, reward=0.0)
-    masked = rl_loss.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
+    masked = rl_objective.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
                                         [0, 1])
     assert masked[:2] == (5.0, 3.0)        # 3 + 2 trained tokens; the positive's 3
     own.loss_mask = [1] * 5
-    plain = rl_loss.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
+    plain = rl_objective.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
                                        [0, 1])
     assert plain[:2] == (7.0, 5.0)
 

@@ -69,7 +69,7 @@ def _gpu_path(rank, world, tmp):
     from megatron_klear import platform
     from megatron_klear.models import qwen3
     from megatron_klear.train import engine as engine_mod
-    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     assert platform.device().type == "cuda"
@@ -137,7 +137,7 @@ def _moe_ep2_path(tmp: str) -> dict:
     from megatron_klear.distributed import initialize_parallel
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     cfg = RLConfig(**{**FLAGS, "tensor_model_parallel_size": 1, "sequence_parallel": False,

@@ -45,7 +45,7 @@ def _hand_step(rank, world, hf_dir):
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
     from megatron_klear.data.microbatches import pad_microbatches
-    from megatron_klear.algo.rl_loss import policy_loss_fn
+    from megatron_klear.algo.rl_objective import policy_loss_fn
 
     batch = _fixed_batch()
     # advantages by hand: group (1, 0.5): mean .75, unbiased std .3536 -> +-0.7071
@@ -182,7 +182,7 @@ def _budget_vs_padded(rank, world, hf_dir):
     from megatron_klear.distributed import initialize_parallel
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import old_logprobs, policy_loss_fn
     from megatron_klear.data.microbatches import rollout_microbatches
 
     batch = _long_tail_batch()

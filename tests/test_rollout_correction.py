@@ -114,12 +114,12 @@ def _rl_batch():
 
 
 def test_trainer_layouts_give_each_sequence_its_weight():
-    """The trainer's sequence ids (algo/rl_loss.sequence_ids) in THD packs and padded
+    """The trainer's sequence ids (algo/rl_objective.sequence_ids) in THD packs and padded
     micro-batches: the per-sequence geometric / sequence weights come out the same, sequence
     by sequence."""
     from megatron_klear.train.rl import RLConfig
     from megatron_klear.data.microbatches import pack_microbatches, pad_microbatches
-    from megatron_klear.algo.rl_loss import sequence_ids
+    from megatron_klear.algo.rl_objective import sequence_ids
 
     batch = _rl_batch()
     shift = [0.3, -0.4, 0.05, 1.2]            # old - rollout, the same on every token of sample i

@@ -93,7 +93,7 @@ class VirtualCudaOps:
 @contextlib.contextmanager
 def virtual_cuda_kernels() -> Iterator[VirtualCudaOps]:
     """Within the block the extension 'has' its CUDA kernels: :class:`VirtualCudaOps`."""
-    from megatron_klear.ops import policy_loss as op_module
+    from megatron_klear.ops import vocab_parallel as op_module
 
     ops = VirtualCudaOps()
     saved = op_module._extension_ops, op_module._extension_has_cuda

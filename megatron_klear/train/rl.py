@@ -7,7 +7,7 @@ token-level mean over the mini-batch -> weight sync to the rollout servers.
 
 This file is the loop; its parts live with their concepts: the flags in train/rl_config.py,
 the rollouts in train/rl_data.py, the placement of the engines (separate or colocated) in
-train/placement.py, micro-batches in data/microbatches.py, the loss in algo/rl_loss.py, and
+train/placement.py, micro-batches in data/microbatches.py, the loss in algo/rl_objective.py, and
 the skeleton shared with SFT (engine, restore, log, saves, export) in train/loop.py.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation, \
+from megatron_klear.algo.rl_objective import aggregation_totals, annotate_aggregation, \
     old_logprobs, policy_loss_fn, step_means
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs

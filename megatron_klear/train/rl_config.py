@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_klear.algo.kl import KL_ESTIMATORS
-from megatron_klear.algo.losses import LOSS_AGGREGATIONS, erc_band
+from megatron_klear.ops.loss_math import LOSS_AGGREGATIONS, erc_band
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection
 from megatron_klear.config import ConfigError, Section, TrainConfig, opt
 from megatron_klear.data.prompt_flags import PromptFlags

@@ -46,7 +46,7 @@ def _train(offload: bool, start: dict | None) -> tuple[list[float], dict, int]:
     from megatron_klear.models.tiny import tiny_qwen3_config
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.offload import TrainerOffload
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     cfg = TrainConfig(bf16=True, use_distributed_optimizer=True, global_batch_size=2,
                       micro_batch_size=1, lr=3e-3, seed=5)

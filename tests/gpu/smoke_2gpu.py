@@ -58,7 +58,7 @@ def shared_dir(path: str | None) -> Path:
 def sft_and_rl_steps(eng, cfg) -> dict:
     """One SFT step, the RL old-log-prob pass and one RL step on two random micro-batches of
     ``SEQ`` tokens; the losses and whether grads and optimizer state live on the GPU."""
-    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     vocab = eng.arch.vocab_size

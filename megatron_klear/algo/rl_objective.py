@@ -1,7 +1,7 @@
 """The RL trainer's objective on a micro-batch: old log-probs, counts, and the loss function.
 
 :func:`policy_loss_fn` is what the engine's training step calls per micro-batch: GPPO (or
-PPO / CISPO / GSPO, :mod:`megatron_klear.algo.losses`) on the fused vocab-parallel op
+PPO / CISPO / GSPO, :mod:`megatron_klear.ops.loss_math`) on the fused vocab-parallel op
 (:mod:`megatron_klear.ops`), plus alpha x SFT on the positives, the optional KL term, the
 rollout correction and ERC, aggregated as ``--loss-aggregation`` says over the counts of the
 whole mini-batch (:func:`aggregation_totals`) and of each whole micro-batch
@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.algo.kl import kl_per_token
-from megatron_klear.algo.losses import AggregationTotals, MicroCounts, aggregate_rl_loss, \
+from megatron_klear.ops.loss_math import AggregationTotals, MicroCounts, aggregate_rl_loss, \
     erc_band
 from megatron_klear.algo.rollout_correction import RolloutCorrection, \
     rollout_correction_weights
