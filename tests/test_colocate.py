@@ -311,14 +311,14 @@ def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:
     flat = shared_buffer(8, torch.device("cuda"))
     payload = {"serialized_named_tensors": [serialize_bucket(
         flat, [("model.norm.weight", (2,), torch.float32, 0)])], "load_format": "flattened_bucket"}
-    from megatron_klear import platform  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
+    from megatron_klear import virtual_cuda  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
 
-    platform._TAGS.limit = torch.cuda.memory_allocated() + 1024
+    virtual_cuda._TAGS.limit = torch.cuda.memory_allocated() + 1024
     try:
         torch.empty(4096, dtype=torch.uint8, device="cuda")
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc)
-    platform._TAGS.limit = None
+    virtual_cuda._TAGS.limit = None
     for url in urls:
         RolloutClient([url]).post_all("/begin_weight_update", {})
         out[url] = _post(url, "/update_weights_from_tensor", payload)

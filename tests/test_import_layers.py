@@ -12,7 +12,8 @@ PKG = REPO / "megatron_klear"
 
 # bottom to top; a module may import its own layer and the layers below, never one above
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "platform", "distributed", "heap", "import_path", "orphans", "samples", "_C"),
+    ("config", "platform", "virtual_cuda", "distributed", "heap", "import_path", "orphans",
+     "samples", "_C"),
     ("ops",),                    # fused kernels and the loss math they are tested against
     ("models",),
     ("rewards",),

@@ -1,7 +1,7 @@
 """Device placement on a GPU machine, checked on CPU with the strict virtual-CUDA platform mode.
 
 With ``KLEAR_STRICT_DEVICES=1`` the platform tags every tensor that would live on the GPU and
-raises :class:`~megatron_klear.platform.DeviceMismatchError` where CUDA torch would refuse an
+raises :class:`~megatron_klear.virtual_cuda.DeviceMismatchError` where CUDA torch would refuse an
 op (CUDA and CPU tensors mixed, a collective on a CPU tensor). One launch at TP2 with sequence
 parallel, full recompute and the distributed optimizer runs an SFT step, the RL old-log-prob
 pass and an RL step, a checkpoint save and an HF export; then two planted misplacements (a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.platform import STRICT_ENV
+from megatron_klear.virtual_cuda import STRICT_ENV
 from tests.dist import run_distributed
 
 VOCAB = 103
@@ -56,7 +56,7 @@ def _engine(**changes):
 
 
 def _caught(step) -> str | None:
-    from megatron_klear.platform import DeviceMismatchError
+    from megatron_klear.virtual_cuda import DeviceMismatchError
 
     try:
         step()
