@@ -111,7 +111,7 @@ def test_resumed_weights_are_undefined_until_updated(model_dir):
 
 def _separate_then_colocated(rank: int, world: int, argv: list[str], root: str) -> dict:
     """The same klear-rl run twice in these ranks: separate mode, then ``--colocate``."""
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
     keys = ("train/loss", "grad_norm", "rollout/reward_mean",
@@ -121,7 +121,7 @@ def _separate_then_colocated(rank: int, world: int, argv: list[str], root: str) 
     # default number (one per core), and rollouts do not depend on the number of servers
     colocated = ["--colocate", "--sglang-tp-size", "2"]
     for mode, extra in (("separate", []), ("colocated", colocated)):
-        hist = train(parse_config(RLConfig, argv + extra + ["--save", f"{root}/{mode}"]))
+        hist = train(load_config(RLConfig, argv + extra + ["--save", f"{root}/{mode}"]))
         out[mode] = [{k: m.get(k) for k in keys} for m in hist]
         out[mode + "_all"] = hist
     return out
@@ -209,11 +209,11 @@ BF16_PROBE_TOL = 0.2
 
 
 def _strict_colocated(rank: int, world: int, argv: list[str]) -> list[dict]:
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
     return [{k: v for k, v in m.items() if isinstance(v, float)}
-            for m in train(parse_config(RLConfig, argv))]
+            for m in train(load_config(RLConfig, argv))]
 
 
 def test_colocated_run_as_the_launch_script_starts_it(model_dir, prompts, tmp_path):
@@ -276,6 +276,7 @@ def _plan(argv: list[str]):
     from megatron_klear.train.rl import RLConfig, memory_workload
 
     cfg = parse_config(RLConfig, argv)
+    cfg.derive()  # preflight's, without the model
     peak = plan_memory(qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint)), cfg, 2,
                        memory_workload(cfg)).peak
     return SimpleNamespace(trainer=peak.total, save_state=peak.params + peak.grads + peak.optimizer)

@@ -275,10 +275,10 @@ def _rl_args(hf, data, save, iters, *extra):
 
 
 def _rl_train(rank, world, argv):
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
-    return train(parse_config(RLConfig, argv))
+    return train(load_config(RLConfig, argv))
 
 
 # pp2 runs Klear's recipe flags (docs/recipe.md): 8 prompts generated for 4, one round, the

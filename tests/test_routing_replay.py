@@ -112,10 +112,10 @@ def test_trainer_replays_rollout_routing_at_pp2(rollout):
 
 
 def _rl(rank, world, argv):
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
-    return train(parse_config(RLConfig, argv))
+    return train(load_config(RLConfig, argv))
 
 
 def test_rl_step_with_routing_replay(rollout, tmp_path):

@@ -25,7 +25,6 @@ from megatron_klear.algo.rl_objective import aggregation_totals, annotate_aggreg
     old_logprobs, policy_loss_fn, step_means
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs
-from megatron_klear.rollout.orchestration.tool_flags import check_tools_chat_template
 from megatron_klear.samples import RolloutBatch
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine
@@ -45,10 +44,9 @@ def train(cfg: RLConfig) -> list[dict]:
     arch = model_arch(cfg)
     tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template,
                                parse_chat_template_kwargs(cfg.chat_template_kwargs))
-    check_tools_chat_template(tokenizer, cfg.multi_turn_config(cfg.rollout_max_response_len))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
-    run = start_run(cfg, arch, "consumed_prompts", after_build=cfg.derive)
+    run = start_run(cfg, arch, "consumed_prompts")
     engine = run.engine
     reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
         if cfg.kl_coef else None

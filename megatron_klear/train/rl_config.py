@@ -23,7 +23,7 @@ from megatron_klear.rewards import check_reward
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
 from megatron_klear.rollout.orchestration.request import SamplingParams
-from megatron_klear.rollout.orchestration.tool_flags import ToolFlags
+from megatron_klear.rollout.orchestration.tool_flags import ToolFlags, check_tools_chat_template
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
 
@@ -508,6 +508,20 @@ class RLConfig(ToolFlags, ColocationFlags, EvalFlags, WeightSyncFlags, MicroBatc
                              "sequences per optimizer step",
         "seq_length": "klear-rl's sequences are --rollout-max-prompt-len + "
                       "--rollout-max-response-len tokens (THD packs of --max-tokens-per-gpu)"}
+
+    def check_inputs(self, model: Any) -> None:
+        """Each section's checks, then, with ``--tools`` and the model on this machine, that
+        its chat template (or ``--chat-template``) renders tool turns: the dry run refuses
+        what the real run would."""
+        super().check_inputs(model)
+        if self.tools and model is not None:
+            from megatron_klear.data.prompts import load_tokenizer, parse_chat_template_kwargs
+
+            tokenizer = load_tokenizer(self.hf_checkpoint, self.prompt_template,
+                                       self.chat_template,
+                                       parse_chat_template_kwargs(self.chat_template_kwargs))
+            check_tools_chat_template(tokenizer,
+                                      self.multi_turn_config(self.rollout_max_response_len))
 
     def derive(self, model: Any = None) -> None:
         """The values that follow from others, after validation: sequences per optimizer

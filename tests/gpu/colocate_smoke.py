@@ -108,7 +108,7 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
     """Release the engines' memory (KV cache and weights) and read the GPU's free memory
     rise, resume them (train() starts from the launch state and releases them itself), then
     ``klear-rl --colocate`` for two steps in bf16: {"ok", "numbers", "history"}."""
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.rollout.orchestration.client import RolloutClient
     from megatron_klear.rollout.transport.probe import PROBE_METRIC
     from megatron_klear.train.rl import RLConfig, train
@@ -122,7 +122,7 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x"}) + "\n"
                                for i in range(8)))
-    hist = train(parse_config(RLConfig, [
+    hist = train(load_config(RLConfig, [
         "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--colocate",
         "--rollout-urls", *urls, "--reward", "math", "--rollout-batch-size", "4",
         "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",

@@ -55,10 +55,10 @@ def _rl_args(hf: Path, data: Path, save: Path, urls: list[str], iters: int, *ext
 
 
 def _rl_train(rank, world, argv):
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
-    return train(parse_config(RLConfig, argv))
+    return train(load_config(RLConfig, argv))
 
 
 def _check_run(hist: list[dict], iters: int) -> None:
