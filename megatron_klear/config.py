@@ -34,6 +34,7 @@ __all__ = ["ConfigError", "OneLineParser", "Section", "TrainConfig", "parse_conf
            "layout_from_args", "section_from_args"]
 
 T = TypeVar("T", bound="TrainConfig")
+S = TypeVar("S", bound="Section")
 
 # megatron-core's selective-recompute modules that exist in a dense (non-MoE, non-MLA) model
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
@@ -74,6 +75,12 @@ class Section:
         return [c for c in reversed(cls.__mro__)
                 if isinstance(c, type) and issubclass(c, Section) and "title" in c.__dict__
                 and c.__dict__["title"]]
+
+    def part(self, section: type[S]) -> S:
+        """``section`` of this config as an object of its own, holding its fields only: what
+        the part of the trainer that reads those flags receives, instead of the whole
+        config (the flat flags, YAML keys and messages stay as they are)."""
+        return section(**{name: getattr(self, name) for name in section.section_fields()})
 
     @classmethod
     def section_fields(cls) -> tuple[str, ...]:

@@ -274,7 +274,7 @@ def test_tools_flags_and_collect_batch_with_tools():
     generates multi-turn samples, scores their final answers and keeps their loss masks."""
     from megatron_klear.config import ConfigError, parse_config
     from megatron_klear.train.rl_config import RLConfig
-    from megatron_klear.train.rl_data import PromptStream, collect_batch
+    from megatron_klear.train.rl_data import DynamicSamplingFlags, PromptStream, collect_batch
 
     required = ["--hf-checkpoint", "x", "--prompt-data", "x"]
     cfg = parse_config(RLConfig, required + ["--tools", "python", "tests.test_tools:add",
@@ -295,7 +295,7 @@ def test_tools_flags_and_collect_batch_with_tools():
     prompts = [PromptSample(0, [{"role": "user", "content": "Q"}], "3")]
     batch = collect_batch(engine, tok, PromptStream(prompts, 0), 1,
                           SamplingParams(n=2, max_new_tokens=400), "math",
-                          dynamic_sampling=False, multi_turn=mt)
+                          DynamicSamplingFlags(dynamic_sampling=False), multi_turn=mt)
     assert batch.rewards == [1.0, 1.0] and len(batch.loss_masks) == 2
     assert all(0 < sum(m) < len(m) for m in batch.loss_masks)
     assert batch.stats["multi_turn/tool_calls"] == 1.0 and batch.stats["multi_turn/turns"] == 2
@@ -304,7 +304,7 @@ def test_tools_flags_and_collect_batch_with_tools():
                                        "It is \\boxed{3}.<|im_end|>"]})
     batch = collect_batch(engine, tok, PromptStream(prompts, 0), 1,
                           SamplingParams(n=2, max_new_tokens=400), "math",
-                          dynamic_sampling=False, multi_turn=mt,
+                          DynamicSamplingFlags(dynamic_sampling=False), multi_turn=mt,
                           stages=["score=tests.test_multi_turn:score_with_tool_errors"])
     assert batch.rewards == [0.75, 0.75]
 

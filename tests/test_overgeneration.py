@@ -9,7 +9,7 @@ import torch
 from megatron_klear.algo.advantages import flat_groups, kept_group_advantages
 from megatron_klear.data.prompts import PromptSample
 from megatron_klear.rollout.orchestration.client import Generation
-from megatron_klear.train.rl_data import PromptStream, collect_batch
+from megatron_klear.train.rl_data import DynamicSamplingFlags, PromptStream, collect_batch
 
 
 def test_kept_group_advantages_by_hand():
@@ -93,9 +93,10 @@ def test_collect_batch_overgenerates_once_and_keeps_the_first_informative_groups
         stream = PromptStream(prompts, seed=0)
         order = [p.index for _, p in PromptStream(prompts, seed=0).take(6)]
         client = ScriptedClient(tok, script)
-        batch = collect_batch(client, tok, stream, 2, params, "math_klear", max_rounds=1,
-                              gen_batch_size=6, filter_metric=metric,
-                              overlong_filter=overlong)
+        batch = collect_batch(client, tok, stream, 2, params, "math_klear",
+                              DynamicSamplingFlags(max_gen_rounds=1, rollout_gen_batch_size=6,
+                                                   filter_groups_metric=metric,
+                                                   overlong_filter=overlong))
         assert client.calls == [6] and stream.consumed == 6      # one round, no refill
         assert batch.groups() == 2 and batch.stats["rollout/prompts_drawn"] == 6
         return batch, sorted({order.index(i) for i in batch.prompt_index})
@@ -116,8 +117,9 @@ def test_overlong_filter_drops_responses_without_eos():
     client = ScriptedClient(tok, [[(RIGHT, "stop"), (WRONG, "stop"), (RIGHT, "length"),
                                    (WRONG, "stop")]])
     batch = collect_batch(client, tok, PromptStream(prompts, 0), 1,
-                          SamplingParams(n=4, max_new_tokens=64), "math_klear", max_rounds=1,
-                          filter_metric="acc", overlong_filter=True, prompt_limit=(5, "left"))
+                          SamplingParams(n=4, max_new_tokens=64), "math_klear",
+                          DynamicSamplingFlags(max_gen_rounds=1, filter_groups_metric="acc",
+                                               overlong_filter=True), prompt_limit=(5, "left"))
     assert batch.kept == [True, True, False, True]
     full = tok(tok.apply_chat_template(prompts[0].messages, tokenize=False,
                                        add_generation_prompt=True))["input_ids"]

@@ -33,7 +33,8 @@ from megatron_klear.train.memory import Workload
 from megatron_klear.train.placement import build_placement, rollout_servers
 from megatron_klear.train.reference import ReferencePolicy
 from megatron_klear.train.rl_config import RLConfig
-from megatron_klear.train.rl_data import PromptStream, broadcast_batch, collect_batch
+from megatron_klear.train.rl_data import DynamicSamplingFlags, PromptStream, broadcast_batch, \
+    collect_batch
 
 
 def train(cfg: RLConfig) -> list[dict]:
@@ -83,12 +84,7 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
     """The run's batches from ``stream``: collected when a step starts, or with
     ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
-                                params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
-                                max_rounds=cfg.max_gen_rounds or cfg.max_sampling_rounds,
-                                normalize_std=cfg.advantage_std_norm,
-                                gen_batch_size=cfg.rollout_gen_batch_size,
-                                filter_metric=cfg.filter_groups_metric,
-                                overlong_filter=cfg.overlong_filter,
+                                params, cfg.reward, cfg.part(DynamicSamplingFlags),
                                 prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),
                                 remote=cfg.remote_reward(), overlong=cfg.overlong_shaping(),
                                 stages=cfg.rollout_stages, multi_turn=cfg.multi_turn_config(

@@ -26,6 +26,7 @@ from megatron_klear.rollout.orchestration.request import SamplingParams
 from megatron_klear.rollout.orchestration.tool_flags import ToolFlags, check_tools_chat_template
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
+from megatron_klear.train.rl_data import DynamicSamplingFlags
 
 
 def async_share(cores: int) -> int:
@@ -133,46 +134,6 @@ class RolloutStageFlags(Section):
             build_pipeline(self.rollout_stages)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-
-@dataclass
-class DynamicSamplingFlags(Section):
-    """Dropping uninformative groups, refilling and over-generating (Klear's recipe)."""
-
-    title = "dynamic sampling"
-    advantage_std_norm: bool = opt(True, "divide group advantages by the group std")
-    dynamic_sampling: bool = opt(True, "drop zero-advantage groups and refill the batch")
-    max_sampling_rounds: int = opt(4, "rollout rounds allowed to refill a batch")
-    rollout_gen_batch_size: int | None = opt(None, "over-generation: prompts generated per "
-                                             "round (Klear: 256 for --rollout-batch-size 128);"
-                                             " the step trains on the informative groups left,"
-                                             " at most --rollout-batch-size, the last "
-                                             "mini-batch possibly partial; unset or 0 (to "
-                                             "turn a YAML's off): refill to whole mini-batches")
-    max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
-                                     "max_num_gen_batches=1); default --max-sampling-rounds")
-    filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
-                                    "spread in this: reward, or acc (reward == the reward's "
-                                    "maximum: Klear's filter_groups_metric=acc)",
-                                    choices=("reward", "acc"))
-    overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
-                                "group filter (no loss tokens, not in the group advantages)")
-
-    def validate_section(self) -> None:
-        """Over-generation flags (Klear's recipe, docs/recipe.md); 0 is "off"."""
-        gen = self.rollout_gen_batch_size
-        if gen and (gen < self.rollout_batch_size or not self.dynamic_sampling):
-            raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
-                              f"sampling: it needs --dynamic-sampling and >= "
-                              f"--rollout-batch-size {self.rollout_batch_size}")
-        if gen is not None and gen < 0:
-            raise ConfigError(f"--rollout-gen-batch-size must be >= 0 (0: off), got {gen}")
-        if self.max_sampling_rounds < 1:
-            raise ConfigError(f"--max-sampling-rounds must be >= 1, got "
-                              f"{self.max_sampling_rounds}")
-        if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
-            raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
-                              f"{self.max_gen_rounds}")
 
 
 @dataclass

@@ -10,10 +10,12 @@ servers; the finished batch is broadcast so that every rank builds identical mic
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from megatron_klear.config import ConfigError, Section, opt
 from megatron_klear.data.prompts import PromptSample
 from megatron_klear.rewards import reward_max_score
 from megatron_klear.rewards.remote import RemoteReward
@@ -24,6 +26,46 @@ from megatron_klear.rollout.orchestration.pipeline import RolloutContext, build_
 from megatron_klear.samples import RolloutBatch, Sample
 
 MULTI_TURN_STAGE = "generate=megatron_klear.rollout.orchestration.multi_turn:generate_tool_turns"
+
+
+@dataclass
+class DynamicSamplingFlags(Section):
+    """Dropping uninformative groups, refilling and over-generating (Klear's recipe)."""
+
+    title = "dynamic sampling"
+    advantage_std_norm: bool = opt(True, "divide group advantages by the group std")
+    dynamic_sampling: bool = opt(True, "drop zero-advantage groups and refill the batch")
+    max_sampling_rounds: int = opt(4, "rollout rounds allowed to refill a batch")
+    rollout_gen_batch_size: int | None = opt(None, "over-generation: prompts generated per "
+                                             "round (Klear: 256 for --rollout-batch-size 128);"
+                                             " the step trains on the informative groups left,"
+                                             " at most --rollout-batch-size, the last "
+                                             "mini-batch possibly partial; unset or 0 (to "
+                                             "turn a YAML's off): refill to whole mini-batches")
+    max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
+                                     "max_num_gen_batches=1); default --max-sampling-rounds")
+    filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
+                                    "spread in this: reward, or acc (reward == the reward's "
+                                    "maximum: Klear's filter_groups_metric=acc)",
+                                    choices=("reward", "acc"))
+    overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
+                                "group filter (no loss tokens, not in the group advantages)")
+
+    def validate_section(self) -> None:
+        """Over-generation flags (Klear's recipe, docs/recipe.md); 0 is "off"."""
+        gen = self.rollout_gen_batch_size
+        if gen and (gen < self.rollout_batch_size or not self.dynamic_sampling):
+            raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
+                              f"sampling: it needs --dynamic-sampling and >= "
+                              f"--rollout-batch-size {self.rollout_batch_size}")
+        if gen is not None and gen < 0:
+            raise ConfigError(f"--rollout-gen-batch-size must be >= 0 (0: off), got {gen}")
+        if self.max_sampling_rounds < 1:
+            raise ConfigError(f"--max-sampling-rounds must be >= 1, got "
+                              f"{self.max_sampling_rounds}")
+        if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
+            raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
+                              f"{self.max_gen_rounds}")
 
 
 class PromptStream:
@@ -57,10 +99,8 @@ class PromptStream:
 
 
 def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, num_prompts: int,
-                  params: SamplingParams, reward: str, *, dynamic_sampling: bool = True,
-                  max_rounds: int = 4, normalize_std: bool = True,
-                  gen_batch_size: int | None = None, filter_metric: str = "reward",
-                  overlong_filter: bool = False,
+                  params: SamplingParams, reward: str,
+                  sampling: DynamicSamplingFlags = DynamicSamplingFlags(), *,
                   prompt_limit: tuple[int, str] | None = None,
                   remote: RemoteReward | None = None,
                   overlong: OverlongShaping | None = None,
@@ -70,14 +110,15 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
     generate -> score -> filters, per round; advantages over the batch), refilled past the
     groups the filters drop when asked.
 
-    With dynamic sampling, rounds of ``gen_batch_size`` (default ``num_prompts``) prompts are
-    drawn until enough informative groups exist or ``max_rounds`` is reached (then the batch
-    may be smaller; Klear: 256 prompts for 128, one round). A group is uninformative when its
-    ``filter_metric`` has no spread among its kept responses: ``reward``, or ``acc`` (reward ==
-    the reward's maximum; with format penalties a group can have reward spread and no accuracy
-    spread). Of more informative groups than needed, the first ``num_prompts`` are kept.
-    ``overlong_filter`` (Klear's): responses without EOS stay without loss tokens and out of
-    the group advantages. ``prompt_limit`` = (max tokens, ``left`` | ``error``): see
+    ``sampling``: the dynamic-sampling section. With dynamic sampling, rounds of
+    ``rollout_gen_batch_size`` (default ``num_prompts``) prompts are drawn until enough
+    informative groups exist or ``max_gen_rounds`` (default ``max_sampling_rounds``) is
+    reached (then the batch may be smaller; Klear: 256 prompts for 128, one round). A group is
+    uninformative when its ``filter_groups_metric`` has no spread among its kept responses:
+    ``reward``, or ``acc`` (reward == the reward's maximum; with format penalties a group can
+    have reward spread and no accuracy spread). Of more informative groups than needed, the
+    first ``num_prompts`` are kept. ``overlong_filter`` (Klear's): responses without EOS stay
+    without loss tokens and out of the group advantages. ``prompt_limit`` = (max tokens, ``left`` | ``error``): see
     :func:`~megatron_klear.rollout.orchestration.pipeline.limit_prompt`. ``remote``: score by the
     ``--reward-url`` service; ``overlong``: DAPO shaping. ``stages``: ``--rollout-stages``
     (:func:`~megatron_klear.rollout.orchestration.pipeline.build_pipeline`). ``multi_turn`` (``--tools``):
@@ -85,21 +126,23 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
     :func:`~megatron_klear.rollout.orchestration.multi_turn.generate_tool_turns` unless ``stages`` names
     another generate stage.
     """
-    n = params.n
+    n, dynamic = params.n, sampling.dynamic_sampling
     ctx = RolloutContext(client, tokenizer, params, reward, reward_max_score(reward),
-                         normalize_std=normalize_std, filter_metric=filter_metric,
-                         overlong_filter=overlong_filter, prompt_limit=prompt_limit,
+                         normalize_std=sampling.advantage_std_norm,
+                         filter_metric=sampling.filter_groups_metric,
+                         overlong_filter=sampling.overlong_filter, prompt_limit=prompt_limit,
                          remote=remote, overlong=overlong, multi_turn=multi_turn)
     if multi_turn is not None and not any(s.startswith("generate=") for s in stages or ()):
         stages = [MULTI_TURN_STAGE, *(stages or ())]
-    pipeline = build_pipeline(stages, overlong_filter=overlong_filter,
-                              dynamic_sampling=dynamic_sampling)
+    pipeline = build_pipeline(stages, overlong_filter=sampling.overlong_filter,
+                              dynamic_sampling=dynamic)
     kept: list[Sample] = []      # the batch: whole groups, in the order drawn
     scored: list[Sample] = []    # every response scored this step (the rollout/* stats)
     drawn = dropped = 0
-    for _ in range(max_rounds if dynamic_sampling else 1):
+    for _ in range((sampling.max_gen_rounds or sampling.max_sampling_rounds) if dynamic else 1):
         need = num_prompts - len(kept) // n
-        drawn_now = stream.take((gen_batch_size or num_prompts) if dynamic_sampling else need)
+        drawn_now = stream.take((sampling.rollout_gen_batch_size or num_prompts) if dynamic
+                                else need)
         got, left = pipeline.round(ctx, [p for _, p in drawn_now],
                                    [stream.sampling_seed(pos) for pos, _ in drawn_now])
         scored += got
