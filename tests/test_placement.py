@@ -69,7 +69,7 @@ def _gpu_path(rank, world, tmp):
     from megatron_klear import platform
     from megatron_klear.models import qwen3
     from megatron_klear.train import engine as engine_mod
-    from megatron_klear.algo.rl_objective import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     assert platform.device().type == "cuda"
@@ -79,7 +79,8 @@ def _gpu_path(rank, world, tmp):
     total = float(sum(mb["loss_mask"].sum() for mb in mbs))
     sft = eng.train_step(mbs, sft_loss_fn(VOCAB, total, "torch"))
     old_logprobs(eng, mbs, VOCAB, 1.0)
-    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg, VOCAB, total, total))
+    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg.part(PolicyLossFlags), VOCAB, total, total,
+                                            backend=eng.cfg.loss_backend))
     eng.save(2, {})
     eng.export_hf(f"{tmp}/hf")
     result = {"params_on_cuda": on_cuda, "sft_loss": sft["loss"], "rl_loss": rl["train/loss"],
@@ -137,7 +138,7 @@ def _moe_ep2_path(tmp: str) -> dict:
     from megatron_klear.distributed import initialize_parallel
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from megatron_klear.algo.rl_objective import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     cfg = RLConfig(**{**FLAGS, "tensor_model_parallel_size": 1, "sequence_parallel": False,
@@ -148,7 +149,8 @@ def _moe_ep2_path(tmp: str) -> dict:
     total = float(sum(mb["loss_mask"].sum() for mb in mbs))
     sft = eng.train_step(mbs, sft_loss_fn(VOCAB, total, "torch"))
     old_logprobs(eng, mbs, VOCAB, 1.0)
-    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg, VOCAB, total, total))
+    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg.part(PolicyLossFlags), VOCAB, total, total,
+                                            backend=eng.cfg.loss_backend))
     eng.export_hf(f"{tmp}/moe_hf")
     return {"sft_loss": sft["loss"], "rl_loss": rl["train/loss"]}
 

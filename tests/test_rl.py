@@ -45,7 +45,7 @@ def _hand_step(rank, world, hf_dir):
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
     from megatron_klear.data.microbatches import pad_microbatches
-    from megatron_klear.algo.rl_objective import policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, policy_loss_fn
 
     batch = _fixed_batch()
     # advantages by hand: group (1, 0.5): mean .75, unbiased std .3536 -> +-0.7071
@@ -95,11 +95,13 @@ def _hand_step(rank, world, hf_dir):
         clip_low += int((low & (mask > 0)).sum())
         clip_high += int((high & (mask > 0)).sum())
     assert clip_low > 0 and clip_high > 0
-    stored = engine.forward_only(mbs, policy_loss_fn(cfg, arch.vocab_size, n_tok, n_pos))
+    stored = engine.forward_only(mbs, policy_loss_fn(cfg.part(PolicyLossFlags), arch.vocab_size,
+                                                     n_tok, n_pos, backend=cfg.loss_backend))
     cfg_corr = replace(cfg, rollout_correction="mis", rollout_correction_level="sequence",
                        rollout_correction_lower=0.5, entropy_ratio_clip=0.05)
-    stored_corr = engine.forward_only(mbs, policy_loss_fn(cfg_corr, arch.vocab_size, n_tok,
-                                                          n_pos))
+    stored_corr = engine.forward_only(mbs, policy_loss_fn(cfg_corr.part(PolicyLossFlags),
+                                                          arch.vocab_size, n_tok, n_pos,
+                                                          backend=cfg.loss_backend))
     if not stored:
         return None
     got = {k: sum(float(m[k]) for m in stored) for k in stored[0]}
@@ -182,7 +184,7 @@ def _budget_vs_padded(rank, world, hf_dir):
     from megatron_klear.distributed import initialize_parallel
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from megatron_klear.algo.rl_objective import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, old_logprobs, policy_loss_fn
     from megatron_klear.data.microbatches import rollout_microbatches
 
     batch = _long_tail_batch()
@@ -206,8 +208,9 @@ def _budget_vs_padded(rank, world, hf_dir):
                 old_logprobs(engine, mbs, arch.vocab_size, run_cfg.rollout_temperature)
             for p in engine.model[0].parameters():
                 p.grad = None
-            stored = engine.forward_backward(mbs, policy_loss_fn(run_cfg, arch.vocab_size,
-                                                                 n_tok, n_pos))
+            stored = engine.forward_backward(mbs, policy_loss_fn(
+                run_cfg.part(PolicyLossFlags), arch.vocab_size, n_tok, n_pos,
+                temperature=run_cfg.rollout_temperature, backend=run_cfg.loss_backend))
             grads = {n: p.grad.clone() for n, p in engine.model[0].named_parameters()}
             loss = sum(float(m["train/loss"]) for m in stored) if stored else None
             return mbs, loss, grads

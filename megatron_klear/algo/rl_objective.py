@@ -11,45 +11,124 @@ fills the behaviour policy's (or the reference's) log-probs with a forward-only 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.algo.kl import kl_per_token
-from megatron_klear.ops.loss_math import AggregationTotals, MicroCounts, aggregate_rl_loss, \
-    erc_band
-from megatron_klear.algo.rollout_correction import RolloutCorrection, \
+from megatron_klear.algo.kl import KL_ESTIMATORS, kl_per_token
+from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
+from megatron_klear.config import ConfigError, Section, opt
 from megatron_klear.data.microbatches import is_positive
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
+from megatron_klear.ops.loss_math import LOSS_AGGREGATIONS, AggregationTotals, MicroCounts, \
+    aggregate_rl_loss, erc_band
 from megatron_klear.samples import RolloutBatch
 
 # per-step metrics averaged over optimizer steps; every other train/ metric is a token sum
 PER_STEP_METRICS = ("train/policy_loss", "train/sft_loss", "train/kl_loss", "train/loss")
 
 
-class PolicyLossConfig(Protocol):
-    """The flags :func:`policy_loss_fn` reads (train/rl_config.py's ``RLConfig``)."""
+@dataclass
+class PolicyLossFlags(Section):
+    """The policy loss, its aggregation, the SFT and KL terms, and rollout corrections."""
 
-    loss_backend: str
-    loss_type: str
-    loss_aggregation: str
-    rollout_temperature: float
-    eps_clip_low: float
-    eps_clip_high: float
-    gppo_beta1: float
-    gppo_beta2: float
-    dual_clip: float | None
-    entropy_ratio_clip: float | None
-    erc_low: float | None
-    erc_high: float | None
-    sft_alpha: float
-    kl_coef: float
-    kl_estimator: str
+    title = "policy loss"
+    loss_type: str = opt("gppo", "policy loss: gppo (CE-GPPO general beta), ppo (PPO-clip with "
+                         "Clip-Higher bounds, DAPO), cispo (MiniMax-M1) or gspo (sequence-level "
+                         "ratio; set --eps-clip-low/high ~3e-4/4e-4); docs/policy_loss.md",
+                         choices=("gppo", "ppo", "cispo", "gspo"))
+    eps_clip_low: float = opt(0.2, "lower clip epsilon")
+    eps_clip_high: float = opt(0.28, "upper clip epsilon (Clip-Higher)")
+    gppo_beta1: float = opt(1.0, "GPPO gradient weight of the low clip")
+    gppo_beta2: float = opt(1.0, "GPPO gradient weight of the high clip")
+    dual_clip: float | None = opt(None, "dual-clip bound c for negative advantages")
+    sft_alpha: float = opt(0.1, "weight of the SFT loss on fully correct responses")
+    # Klear's released recipe (docs/recipe.md)
+    loss_aggregation: str = opt("token-mean", "how per-token losses become the loss: token-mean "
+                                "(the paper: mean over the mini-batch's tokens), "
+                                "token-mean-micro (Klear's released code: token mean per "
+                                "micro-batch x sequences / per-rank mini-batch size, "
+                                "averaged over DP), seq-mean-token-sum, seq-mean-token-mean "
+                                "(verl's sequence means); the SFT term likewise",
+                                choices=LOSS_AGGREGATIONS)
+    entropy_ratio_clip: float | None = opt(None, "ERC delta (arXiv 2512.05591), e.g. 0.05: tokens "
+                                           "whose entropy ratio current/old policy leaves "
+                                           "(1-delta, 1+delta) pass no gradient; unset: off")
+    erc_low: float | None = opt(None, "ERC band lower bound of the entropy ratio (with "
+                                "--erc-high; ERC's scripts: 0.95), instead of "
+                                "--entropy-ratio-clip's symmetric 1 - delta")
+    erc_high: float | None = opt(None, "ERC band upper bound of the entropy ratio (with "
+                                 "--erc-low; ERC's scripts: 1.05)")
+    rollout_correction: str = opt("none", "rollout/trainer mismatch correction: truncated IS "
+                                  "(tis), masked IS (mis) or IcePop's two-sided mask (icepop); "
+                                  "docs/policy_loss.md", choices=MODES)
+    rollout_correction_level: str = opt("token", "ratio the correction uses: per token, per "
+                                        "sequence (product) or geometric (mean log-ratio of the "
+                                        "sequence)", choices=LEVELS)
+    rollout_correction_cap: float | None = opt(None, "tis truncates at it, mis/icepop reject "
+                                               "above it (default 2 for tis/mis, 5 for icepop)")
+    rollout_correction_lower: float | None = opt(None, "mis/icepop reject ratios below it "
+                                                 "(default: none for mis, 0.5 for icepop)")
+    tis_cap: float | None = opt(None, "alias of --rollout-correction tis "
+                                "--rollout-correction-level token --rollout-correction-cap C")
+    # KL to a frozen reference policy (a loss term; docs/policy_loss.md)
+    kl_coef: float = opt(0.0, "weight of the KL(policy || reference) loss term (0: off, no "
+                         "reference forward)")
+    kl_estimator: str = opt("low_var_kl", "per-token KL estimator", choices=KL_ESTIMATORS)
+    ref_load: str | None = opt(None, "reference weights: a checkpoint dir or a Hugging Face "
+                               "dir (default: --hf-checkpoint); e.g. the SFT checkpoint an RL "
+                               "run started from")
 
-    def correction(self) -> RolloutCorrection | None: ...
+    def validate_section(self) -> None:  # noqa: D102
+        if not 0 < self.eps_clip_low < 1 or self.eps_clip_high <= 0:
+            raise ConfigError("--eps-clip-low must be in (0, 1) and --eps-clip-high > 0")
+        if self.entropy_ratio_clip is not None and not self.entropy_ratio_clip > 0:
+            raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
+                              f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
+        try:
+            erc_band(self.entropy_ratio_clip, self.erc_low, self.erc_high)
+        except ValueError:
+            raise ConfigError(f"ERC's band: give --entropy-ratio-clip DELTA, or both --erc-low "
+                              f"and --erc-high with 0 <= low < high (e.g. 0.95 1.05), not both "
+                              f"forms; got delta {self.entropy_ratio_clip}, low {self.erc_low},"
+                              f" high {self.erc_high}") from None
+        self.correction()
+        if self.kl_coef < 0:
+            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.ref_load and not self.kl_coef:
+            raise ConfigError("--ref-load is the reference of the KL term: set --kl-coef > 0 "
+                              "or drop --ref-load")
+
+    def check_inputs_section(self, model: Any) -> None:  # noqa: D102
+        if self.ref_load and not Path(self.ref_load).is_dir():
+            raise ConfigError(f"--ref-load {self.ref_load}: no such directory (a checkpoint "
+                              "dir or a Hugging Face dir)")
+
+    def correction(self) -> RolloutCorrection | None:
+        """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
+        if self.tis_cap is not None:
+            if self.rollout_correction != "none":
+                raise ConfigError("--tis-cap C is an alias of --rollout-correction tis "
+                                  "--rollout-correction-level token --rollout-correction-cap C;"
+                                  " give one or the other")
+            if not self.tis_cap > 0:
+                raise ConfigError(f"--tis-cap must be > 0, got {self.tis_cap}")
+            return RolloutCorrection("tis", "token", self.tis_cap)
+        if self.rollout_correction == "none":
+            if self.rollout_correction_cap is not None or self.rollout_correction_lower is not None:
+                raise ConfigError("--rollout-correction-cap / --rollout-correction-lower need "
+                                  "--rollout-correction tis, mis or icepop")
+            return None
+        try:
+            return RolloutCorrection(self.rollout_correction, self.rollout_correction_level,
+                                     self.rollout_correction_cap, self.rollout_correction_lower)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def fill_logprobs(logits: torch.Tensor, batch: dict, vocab_size: int, temperature: float,
@@ -138,20 +217,22 @@ def aggregation_totals(batch: RolloutBatch, rows: Sequence[int],
                              parallel_state.get_data_parallel_world_size())
 
 
-def policy_loss_fn(cfg: PolicyLossConfig, vocab_size: int, n_tokens: float, n_positive: float,
-                   totals: AggregationTotals | None = None) -> Callable:
+def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_positive: float,
+                   totals: AggregationTotals | None = None, *, temperature: float = 1.0,
+                   backend: str = "auto") -> Callable:
     """GPPO (or PPO/CISPO) + alpha * SFT aggregated as ``--loss-aggregation`` says (default: each
     a token-level mean over the mini-batch, whose counts ``n_tokens`` / ``n_positive`` are),
     with the optional rollout correction (weights on the advantages) and ERC (old entropy per
     token). ``totals``: the mini-batch's counts (:func:`aggregation_totals`), needed by the
-    other aggregations."""
+    other aggregations. ``loss``: the policy-loss section; ``temperature``: the rollout's
+    sampling temperature (``--rollout-temperature``); ``backend``: ``--loss-backend``."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    backend = loss_backend(cfg.loss_backend)
-    correction = cfg.correction()
-    erc = erc_band(cfg.entropy_ratio_clip, cfg.erc_low, cfg.erc_high) is not None
+    backend = loss_backend(backend)
+    correction = loss.correction()
+    erc = erc_band(loss.entropy_ratio_clip, loss.erc_low, loss.erc_high) is not None
     if totals is None:
-        if cfg.loss_aggregation != "token-mean":
-            raise ValueError(f"--loss-aggregation {cfg.loss_aggregation} needs the mini-batch's "
+        if loss.loss_aggregation != "token-mean":
+            raise ValueError(f"--loss-aggregation {loss.loss_aggregation} needs the mini-batch's "
                              "totals (aggregation_totals)")
         totals = AggregationTotals(n_tokens, n_positive, 0.0, 0.0,
                                    parallel_state.get_data_parallel_world_size())
@@ -159,7 +240,7 @@ def policy_loss_fn(cfg: PolicyLossConfig, vocab_size: int, n_tokens: float, n_po
     def loss_fn(logits, b):
         mask = b["loss_mask"]
         if "old_logprobs" not in b:  # first mini-batch: the policy has not moved, old = current
-            fill_logprobs(logits, b, vocab_size, cfg.rollout_temperature, backend)
+            fill_logprobs(logits, b, vocab_size, temperature, backend)
         old = b["old_logprobs"]
         adv = b["advantages"]
         tokens = mask.sum()
@@ -170,34 +251,34 @@ def policy_loss_fn(cfg: PolicyLossConfig, vocab_size: int, n_tokens: float, n_po
             adv = adv * weights
             metrics.update({f"train/rollout_correction_{k}": v * tokens for k, v in corr.items()})
         out = vocab_parallel_policy_loss(
-            logits, b["labels"], old, adv, mask, loss_type=cfg.loss_type,
-            eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high, beta1=cfg.gppo_beta1,
-            beta2=cfg.gppo_beta2, dual_clip=cfg.dual_clip,
-            entropy_ratio_clip=cfg.entropy_ratio_clip, old_entropy=b["entropy"] if erc else None,
-            temperature=cfg.rollout_temperature, compute_entropy=False, tp_group=tp_group,
+            logits, b["labels"], old, adv, mask, loss_type=loss.loss_type,
+            eps_low=loss.eps_clip_low, eps_high=loss.eps_clip_high, beta1=loss.gppo_beta1,
+            beta2=loss.gppo_beta2, dual_clip=loss.dual_clip,
+            entropy_ratio_clip=loss.entropy_ratio_clip, old_entropy=b["entropy"] if erc else None,
+            temperature=temperature, compute_entropy=False, tp_group=tp_group,
             vocab_size=vocab_size, backend=backend,
             inplace_backward=True,  # logits are not read after backward
-            erc_low=cfg.erc_low, erc_high=cfg.erc_high, reduction="none",
+            erc_low=loss.erc_low, erc_high=loss.erc_high, reduction="none",
             sequence_ids=sequence_ids(b))
         seq_len = b["seq_tokens"] if "seq_tokens" in b else seq_tokens(b)
-        loss, pg, sft = aggregate_rl_loss(
-            cfg.loss_aggregation, out.loss, -out.logprobs, mask, b["positive"], cfg.sft_alpha,
+        total, pg, sft = aggregate_rl_loss(
+            loss.loss_aggregation, out.loss, -out.logprobs, mask, b["positive"], loss.sft_alpha,
             totals, seq_tokens=seq_len, micro=micro_counts(b))
-        if cfg.kl_coef:  # aggregated as the policy term
-            kl = kl_per_token(out.logprobs, b["ref_logprobs"], cfg.kl_estimator)
-            _, kl_loss, _ = aggregate_rl_loss(cfg.loss_aggregation, kl, torch.zeros_like(kl),
+        if loss.kl_coef:  # aggregated as the policy term
+            kl = kl_per_token(out.logprobs, b["ref_logprobs"], loss.kl_estimator)
+            _, kl_loss, _ = aggregate_rl_loss(loss.loss_aggregation, kl, torch.zeros_like(kl),
                                               mask, b["positive"], 0.0, totals,
                                               seq_tokens=seq_len, micro=micro_counts(b))
-            loss = loss + cfg.kl_coef * kl_loss
+            total = total + loss.kl_coef * kl_loss
             metrics.update({"train/kl_loss": kl_loss.detach(),
                             "train/kl": (kl.detach() * mask).sum()})
         metrics.update({f"train/{k}": v.detach() * tokens for k, v in out.metrics.items()})
         mismatch = ((old - b["rollout_logprobs"]).abs() * mask).sum()
         metrics.update({"train/policy_loss": pg.detach(), "train/sft_loss": sft.detach(),
-                        "train/loss": loss.detach(), "train/tokens": tokens,
+                        "train/loss": total.detach(), "train/tokens": tokens,
                         "train/entropy": (b["entropy"] * mask).sum(),
                         "train/mismatch_abs_logprob": mismatch})
-        return loss, metrics
+        return total, metrics
 
     return loss_fn
 

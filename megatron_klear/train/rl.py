@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.algo.rl_objective import aggregation_totals, annotate_aggregation, \
-    old_logprobs, policy_loss_fn, step_means
+from megatron_klear.algo.rl_objective import PolicyLossFlags, aggregation_totals, \
+    annotate_aggregation, old_logprobs, policy_loss_fn, step_means
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs
 from megatron_klear.samples import RolloutBatch
@@ -148,8 +148,9 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     t0 = time.time()
     for rows, mbs in zip(minis, mbs_per_mini):
         counts = aggregation_totals(batch, rows, per_mini)
-        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, counts.tokens,
-                                                  counts.positive_tokens, counts))
+        m = engine.train_step(mbs, policy_loss_fn(
+            cfg.part(PolicyLossFlags), vocab, counts.tokens, counts.positive_tokens, counts,
+            temperature=cfg.rollout_temperature, backend=cfg.loss_backend))
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
     t_train = time.time() - t0
