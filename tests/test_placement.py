@@ -126,7 +126,8 @@ def _padded_sp_step(eng) -> dict:
                          prompt_index=[0, 0, 1, 1], advantages=[1.0, -1.0, -1.0, 1.0])
     batch.rollout_logprobs = [[-0.5] * len(r) for r in batch.response_ids]
     cfg = replace(eng.cfg, pack_sequences=False)
-    length = rollout_microbatches(batch, range(len(batch)), cfg, 0)[0]["tokens"].shape[1]
+    length = rollout_microbatches(batch, range(len(batch)), cfg.micro_batch_layout(),
+                                  0)[0]["tokens"].shape[1]
     return {"length": length, "error": caught(lambda: train_on_batch(eng, cfg, batch, 0))}
 
 

@@ -203,7 +203,7 @@ def _budget_vs_padded(rank, world, hf_dir):
         load_hf_weights(engine.model, arch, SafetensorsReader(hf_dir))
 
         def step(run_cfg, precompute_old):
-            mbs = rollout_microbatches(batch, rows, run_cfg, pad_id=0)
+            mbs = rollout_microbatches(batch, rows, run_cfg.micro_batch_layout(), pad_id=0)
             if precompute_old:
                 old_logprobs(engine, mbs, arch.vocab_size, run_cfg.rollout_temperature)
             for p in engine.model[0].parameters():

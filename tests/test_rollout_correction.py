@@ -126,7 +126,7 @@ def test_trainer_layouts_give_each_sequence_its_weight():
     cfg = RLConfig(hf_checkpoint="x", prompt_data="x", micro_batch_size=2, mini_batch_size=2,
                    rollout_batch_size=2, n_samples_per_prompt=2, max_tokens_per_gpu=14)
     seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
-    layouts = {"packed": pack_microbatches(batch, range(4), cfg, 0),
+    layouts = {"packed": pack_microbatches(batch, range(4), cfg.micro_batch_layout(), 0),
                "padded": pad_microbatches(batch, range(4), 2, 0, seq_len)}
     assert len(layouts["packed"]) > 1 and any(mb["segment_ids"].max() > 0
                                               for mb in layouts["packed"])

@@ -11,7 +11,8 @@ The packing itself (bins, THD layout) is :mod:`megatron_klear.data.packing`.
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -25,8 +26,10 @@ from megatron_klear.samples import RolloutBatch
 FIELDS = ("loss_mask", "advantages", "positive", "rollout_logprobs")  # per-label loss inputs
 
 
-class MicroBatchLayout(Protocol):
-    """The flags that shape RL micro-batches (train/rl_config.py's ``RLConfig``)."""
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """What shapes RL micro-batches, gathered from several config sections in one place
+    (``RLConfig.micro_batch_layout()``, train/rl_config.py)."""
 
     pack_sequences: bool
     share_prompts: bool | None

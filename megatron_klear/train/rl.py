@@ -128,7 +128,8 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
     t0 = time.time()
-    mbs_per_mini = [rollout_microbatches(batch, rows, cfg, pad_id) for rows in minis]
+    layout = cfg.micro_batch_layout()
+    mbs_per_mini = [rollout_microbatches(batch, rows, layout, pad_id) for rows in minis]
     for mbs in mbs_per_mini:
         annotate_aggregation(mbs)
     t_pack = time.time() - t0

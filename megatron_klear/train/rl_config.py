@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_klear.algo.rl_objective import PolicyLossFlags
 from megatron_klear.config import ConfigError, Section, TrainConfig, opt
+from megatron_klear.data.microbatches import MicroBatchLayout
 from megatron_klear.data.prompt_flags import PromptFlags
 from megatron_klear.rewards import check_reward
 from megatron_klear.rewards.remote import RemoteReward
@@ -372,6 +374,12 @@ class RLConfig(ToolFlags, ColocationFlags, EvalFlags, WeightSyncFlags, MicroBatc
             raise ConfigError("--loss-type gspo takes each response's mean log-ratio, which a "
                               "context-parallel rank holds only a slice of: drop "
                               "--context-parallel-size or use another --loss-type")
+
+    def micro_batch_layout(self) -> MicroBatchLayout:
+        """The flags of several sections that shape RL micro-batches (data/microbatches.py):
+        packing, the token budget, the rollout lengths and the parallel split."""
+        return MicroBatchLayout(**{f.name: getattr(self, f.name)
+                                   for f in dataclasses.fields(MicroBatchLayout)})
 
     def check_inputs(self, model: Any) -> None:
         """Each section's checks, then, with ``--tools`` and the model on this machine, that
