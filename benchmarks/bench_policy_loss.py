@@ -34,7 +34,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from megatron_klear.algo.losses import aggregate, per_token_policy_loss
+from megatron_klear.ops.loss_math import aggregate, per_token_policy_loss
 from megatron_klear.ops import available_backends, vocab_parallel_policy_loss
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

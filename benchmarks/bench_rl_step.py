@@ -45,7 +45,7 @@ def long_tail_batch(prompts: int, n: int, mean_len: int, seed: int = 0):
     import random
 
     from megatron_klear.algo.advantages import group_advantages
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     import torch
 

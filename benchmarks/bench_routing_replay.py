@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from megatron_klear.models.tiny import save_tiny_hf_model
-from megatron_klear.rollout.launcher import launch_embedded_servers
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 from megatron_klear.train.metrics import read_metrics
 
 

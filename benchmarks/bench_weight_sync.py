@@ -94,7 +94,7 @@ def _write_model_dir(out: Path, num_layers: int, model: str = "dense", width: st
 
 
 def _raw_receiver(port: int, sizes: list[int], count: int) -> None:
-    from megatron_klear.rollout.update_group import open_update_group
+    from megatron_klear.rollout.transport.update_group import open_update_group
 
     group = open_update_group("127.0.0.1", port, 1, 2, "raw", "gloo", 600)
     buf = torch.empty(max(sizes), dtype=torch.uint8)
@@ -110,7 +110,7 @@ class RawBroadcast:
 
     def __init__(self, sizes: list[int], count: int) -> None:
         from megatron_klear.distributed import free_port
-        from megatron_klear.rollout.update_group import open_update_group
+        from megatron_klear.rollout.transport.update_group import open_update_group
 
         port = free_port()
         self.sizes = sizes
@@ -190,8 +190,8 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict[tuple[str, str], dict
     sides of each ratio alike, and the sync's ``buckets`` (bytes; ``direct``: sent from the
     parameters' memory). The raw side broadcasts exactly the sync's bucket sizes (its plan)."""
     from megatron_klear.distributed import free_port
-    from megatron_klear.rollout.launcher import launch_embedded_servers
-    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.rollout.engine.launcher import launch_embedded_servers
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
     from megatron_klear.distributed import initialize_parallel
 
     os.environ["MASTER_PORT"] = str(free_port())
@@ -226,9 +226,9 @@ def run_handles(model_dir: Path, args: argparse.Namespace) -> list[tuple[float, 
     """--handles: (broadcast GB/s, handles GB/s) pairs, back to back, after the warm-up
     syncs of each; the recipes' layout (distributed optimizer), the default bucket plan."""
     from megatron_klear.distributed import free_port
-    from megatron_klear.rollout.launcher import launch_embedded_servers
-    from megatron_klear.rollout.tensor_sync import TensorWeightSync
-    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.rollout.engine.launcher import launch_embedded_servers
+    from megatron_klear.rollout.transport.tensor_sync import TensorWeightSync
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
     from megatron_klear.distributed import initialize_parallel
 
     os.environ["MASTER_PORT"] = str(free_port())

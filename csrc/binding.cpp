@@ -1,7 +1,7 @@
 // Torch binding of the fused vocab-parallel log-prob / policy-loss kernels: module
 // megatron_klear._C registers the `klear::` ops and their CPU implementations. The CUDA
 // implementations are registered by cuda_binding.cpp (built only with CUDA torch). Autograd is
-// provided on the Python side (megatron_klear/ops/policy_loss.py) around these ops.
+// provided on the Python side (megatron_klear/ops/vocab_parallel.py) around these ops.
 #include <iterator>
 #include <string>
 #include <vector>

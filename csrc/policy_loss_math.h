@@ -2,7 +2,7 @@
 //
 // Plain C++ (no torch, no CUDA headers): compiled by the host compiler for the CPU extension and
 // by nvcc (__host__ __device__) for the CUDA kernels, so both backends run literally the same
-// per-token code. The pure-torch specification is megatron_klear/algo/losses.py.
+// per-token code. The pure-torch specification is megatron_klear/ops/loss_math.py.
 #pragma once
 
 #include <cmath>
@@ -16,7 +16,7 @@
 
 namespace klear {
 
-// ERC's code clamps log r to [-20, 20] before exp (algo/losses.py ERC_MAX_LOG_RATIO).
+// ERC's code clamps log r to [-20, 20] before exp (ops/loss_math.py ERC_MAX_LOG_RATIO).
 constexpr float kErcMaxLogRatio = 20.0f;
 
 enum LossType : int { kPPO = 0, kGPPO = 1, kCISPO = 2 };

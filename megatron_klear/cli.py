@@ -22,7 +22,7 @@ def bad_input_errors() -> tuple[type[BaseException], ...]:
     from megatron_klear.checkpoint.state import CheckpointError
     from megatron_klear.config import ConfigError
     from megatron_klear.data.prompts import DataError
-    from megatron_klear.rollout.client import RoutedExpertsMissing
+    from megatron_klear.rollout.orchestration.client import RoutedExpertsMissing
 
     # RoutedExpertsMissing: servers started without --enable-return-routed-experts under replay
     return (ConfigError, DataError, ConversionError, BridgeError, CheckpointError,

@@ -11,9 +11,10 @@ configs: checkpoints, parallelism, memory, batch, optimizer and schedule, loggin
 adds prompts, rollout, reward, policy loss, ...). A section checks its own flags in
 ``validate_section`` (flags alone, at parse time) and, optionally,
 ``check_inputs_section(model)``
-(against the files on this machine and the model's config.json: train/preflight.py runs
-it before the dry run and before a real run builds anything). Validation never changes a
-value; values that follow from others are set afterwards, in one place: ``derive()``.
+(against the files on this machine and the model's config.json: ``preflight()`` in
+train/dry_run.py runs it before the dry run and before a real run builds anything).
+Validation never changes a value; values that follow from others are set afterwards, in one
+place: ``derive()``, which ``preflight()`` calls once the model is known.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = ["ConfigError", "OneLineParser", "Section", "TrainConfig", "parse_conf
            "PEFT_ADAPTER_CONFIG", "PEFT_ADAPTER_WEIGHTS"]
 
 T = TypeVar("T", bound="TrainConfig")
+S = TypeVar("S", bound="Section")
 
 # megatron-core's selective-recompute modules that exist in a dense (non-MoE, non-MLA) model
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
@@ -77,6 +79,12 @@ class Section:
         return [c for c in reversed(cls.__mro__)
                 if isinstance(c, type) and issubclass(c, Section) and "title" in c.__dict__
                 and c.__dict__["title"]]
+
+    def part(self, section: type[S]) -> S:
+        """``section`` of this config as an object of its own, holding its fields only: what
+        the part of the trainer that reads those flags receives, instead of the whole
+        config (the flat flags, YAML keys and messages stay as they are)."""
+        return section(**{name: getattr(self, name) for name in section.section_fields()})
 
     @classmethod
     def section_fields(cls) -> tuple[str, ...]:
@@ -612,9 +620,9 @@ def _typed(cls: type[TrainConfig], values: dict) -> dict:
 
 
 def parse_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | None = None) -> T:
-    """Parse flags (and an optional ``--config`` YAML) into a validated ``cls`` instance with
-    its derived values set (``derive()``, which needs no model: train/preflight.py settles
-    the model-dependent ones)."""
+    """Parse flags (and an optional ``--config`` YAML) into a validated ``cls`` instance. Its
+    derived values are not set yet: ``preflight()`` (train/dry_run.py) checks the config
+    against the launch, the model and the files, then calls ``derive()``."""
     parser = _build_parser(cls, prog)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else list(argv)))
     config = args.pop("config", None)
@@ -629,7 +637,6 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, prog: str | No
                                             else ""))
     cfg = cls(**_typed(cls, values))
     cfg.validate()
-    cfg.derive()
     return cfg
 
 

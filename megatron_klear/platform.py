@@ -20,29 +20,11 @@ dist_checkpointing) runs on CPU under gloo:
   precision-aware optimizer's TE version check without TE (:func:`_patch_megatron_optimizer_config`,
   GPU machines without TE too).
 
-Strict device mode (``KLEAR_STRICT_DEVICES=1``, for tests): the emulation additionally
-plays a *virtual CUDA device*. Every tensor that would live on the GPU on a GPU machine is
-tagged (by storage) as CUDA: tensors created or moved with a device naming CUDA, and the
-outputs of every op with a CUDA input (a ``TorchDispatchMode`` sees every aten op, in forward,
-backward, recompute and optimizer steps alike). Such tensors report ``device.type == "cuda"``
-and :func:`device` returns ``cuda:LOCAL_RANK``, so the code under test takes its GPU path. An
-op that mixes CUDA and CPU tensors where CUDA torch would refuse (anything but copies, CPU
-scalars and CPU index tensors), or a collective on a CPU tensor (NCCL refuses those) outside a
-:func:`host_collective` (a gloo group's collective, which moves host tensors), raises
-:class:`DeviceMismatchError`. ``torch.cuda.is_available()`` answers True, as on a GPU machine
-(code that asks torch instead of this module takes its GPU branch too). Pinned host memory is
-emulated (``pin_memory()``, ``pin_memory=True``, ``is_pinned()``), so that megatron's
-CPU-offloading optimizer really offloads: it keeps pinned CPU copies of every parameter that
-reports ``is_cuda``. See tests/test_placement.py and tests/virtual_cuda.py.
+* pinned host memory emulated (``pin_memory()``, ``pin_memory=True``, ``is_pinned()``), which
+  CUDA-less torch refuses.
 
-The virtual device has an index and a memory (issue 38): tagged tensors report
-``cuda:LOCAL_RANK``; :func:`gpu_uuid` names the GPU behind an index as CUDA does, through
-``CUDA_VISIBLE_DEVICES`` (a tensor handle carries it, as SGLang's device-UUID reductions
-make it, and a receiver that does not see that GPU refuses it: :func:`gpu_index_of_uuid`);
-the bytes of the tagged storages are counted (allocation, resize, free), so
-``torch.cuda.memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats`` /
-``mem_get_info`` answer for the virtual GPU, and with ``KLEAR_VIRTUAL_GPU_MEMORY_GB`` set an
-allocation beyond it raises ``torch.OutOfMemoryError`` as CUDA's allocator does.
+The strict virtual-CUDA mode of the tests (``KLEAR_STRICT_DEVICES=1``) lives in
+megatron_klear/virtual_cuda.py; :func:`setup` installs it when it is asked for.
 
 This is the ONLY module that knows the trainer may run without CUDA; everything else is
 written as if on GPU. :func:`setup` is idempotent.
@@ -54,26 +36,18 @@ import contextlib
 import functools
 import logging
 import os
-import sys
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from megatron_klear import virtual_cuda
 from megatron_klear.heap import keep_freed_memory
 
 __all__ = ["Platform", "setup", "cuda_available", "device", "backend", "batch_p2p_comm",
-           "is_emulated", "host_only_section", "host_collective", "is_virtual_cuda", "share_memory",
-           "gpu_uuid", "gpu_index_of_uuid", "DeviceMismatchError", "STRICT_ENV",
-           "VIRTUAL_MEMORY_ENV"]
-
-STRICT_ENV = "KLEAR_STRICT_DEVICES"
-VIRTUAL_MEMORY_ENV = "KLEAR_VIRTUAL_GPU_MEMORY_GB"  # strict mode: the virtual GPU's size
+           "is_emulated", "host_only_section", "gpu_uuid", "gpu_index_of_uuid"]
 
 
 _TORCH_CUDA_AVAILABLE = torch.cuda.is_available  # strict device mode replaces the attribute
@@ -84,14 +58,10 @@ def cuda_available() -> bool:
     return _TORCH_CUDA_AVAILABLE()
 
 
-def _strict() -> bool:
-    return not cuda_available() and os.environ.get(STRICT_ENV, "0") == "1"
-
-
 def device() -> torch.device:
     """The device the trainer computes on (cuda:LOCAL_RANK on GPU and in strict device mode,
     cpu otherwise)."""
-    if cuda_available() or _strict():
+    if cuda_available() or virtual_cuda.active():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -167,34 +137,27 @@ _PIN = torch.Tensor.pin_memory
 _IS_PINNED = torch.Tensor.is_pinned
 
 
-def _names_cuda(dev) -> bool | None:
-    """True/False when ``dev`` is a device spec naming CUDA/another device; None otherwise."""
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    if isinstance(dev, str):
-        return dev.split(":")[0] == "cuda"
-    if isinstance(dev, int) and not isinstance(dev, bool):
-        return True
-    return None
+class _PinnedStorages:
+    """Emulated page-locked host memory: the storages made by ``pin_memory()`` or a factory
+    with ``pin_memory=True`` (CUDA-less torch refuses both: "no pinned memory allocator")."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, weakref.ref] = {}
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        storage = virtual_cuda.storage_of(t)
+        ref = self.pinned.get(id(storage)) if storage is not None else None
+        return ref is not None and ref() is storage
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        storage = virtual_cuda.storage_of(t)
+        if storage is not None:
+            key = id(storage)
+            self.pinned[key] = weakref.ref(storage, lambda _, k=key: self.pinned.pop(k, None))
+        return t
 
 
-def _target_device(func, args, kwargs) -> bool | None:
-    """Whether a call places its result on CUDA (True), elsewhere (False), or inherits (None)."""
-    if func in _CUDA_METHODS:
-        return True
-    if func is torch.Tensor.cpu:
-        return False
-    if "device" in kwargs and kwargs["device"] is not None:
-        return _names_cuda(kwargs["device"])
-    if func in _TO and len(args) > 1:
-        if torch.is_tensor(args[1]):
-            return _TAGS.is_cuda(args[1])
-        return _names_cuda(args[1])
-    if func is torch.Tensor.new_tensor:
-        return _TAGS.is_cuda(args[0])
-    return None
-
-
+_PINNED = _PinnedStorages()
 class _CudaToCpuMode(TorchFunctionMode):
     """Redirects every tensor creation or move that names CUDA to the CPU (and, in strict
     device mode, tags the results as CUDA and answers device queries for tagged tensors)."""
@@ -209,8 +172,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             if out is not None:
                 return out
         kwargs = dict(kwargs or {})
-        if self.strict and func in _DEVICE_QUERIES:
-            return _DEVICE_QUERIES[func](args[0])
+        if self.strict and func in virtual_cuda.DEVICE_QUERIES:
+            return virtual_cuda.DEVICE_QUERIES[func](args[0])
         if func is _IS_PINNED:
             return _PINNED.is_pinned(args[0])
         if func is _PIN:  # a pinned copy (the tensor itself when it is pinned already)
@@ -218,7 +181,7 @@ class _CudaToCpuMode(TorchFunctionMode):
                 return args[0]
             return _PINNED.pin(args[0].clone())
         pinned = bool(kwargs.pop("pin_memory", False))
-        target = _target_device(func, args, kwargs) if self.strict else None
+        target = virtual_cuda.target_device(func, args, kwargs) if self.strict else None
         if func in _CUDA_METHODS:
             out = args[0]
         else:
@@ -231,186 +194,8 @@ class _CudaToCpuMode(TorchFunctionMode):
                     args = (args[0], "cpu") + args[2:]
             out = func(*args, **kwargs)
         if target is not None:
-            if _is_move(func) and _TAGS.is_cuda(args[0]) != target and \
-                    out.untyped_storage() is args[0].untyped_storage():
-                out = out.clone()  # a real device move copies; the source keeps its device
-            _TAGS.set(out, target)
+            out = virtual_cuda.tag_result(func, args, out, target)
         return _PINNED.pin(out) if pinned else out
-
-
-def _is_move(func) -> bool:
-    return func in _TO or func in _CUDA_METHODS or func is torch.Tensor.cpu
-
-
-# --------------------------------------------------------------------------- strict devices
-
-class DeviceMismatchError(RuntimeError):
-    """An op that would mix CUDA and CPU tensors on a GPU machine (strict device mode)."""
-
-
-class _DeviceTags:
-    """Which storages would live on the GPU (CPU is the default).
-
-    Keyed by the storage's Python object, which torch keeps alive exactly as long as the
-    storage itself; a weak reference drops the tag when the storage is freed, so a new
-    storage at a recycled address never inherits a stale tag.
-    """
-
-    def __init__(self) -> None:
-        self.cuda: dict[int, weakref.ref] = {}
-        self.sizes: dict[int, int] = {}  # bytes of each tagged storage, as last counted
-        self.allocated = self.peak = 0  # bytes on the virtual GPU now, and the peak
-        self.limit: int | None = None  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
-
-    def _count(self, key: int, nbytes: int) -> None:
-        """Set the counted bytes of storage ``key``; raise as CUDA's allocator does when the
-        virtual GPU's size is exceeded."""
-        grow = nbytes - self.sizes.get(key, 0)
-        if grow > 0 and self.limit is not None and self.allocated + grow > self.limit:
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory (virtual GPU {device()}): tried to allocate {grow} bytes "
-                f"with {self.allocated} of {self.limit} allocated ({VIRTUAL_MEMORY_ENV})")
-        self.allocated += grow
-        self.sizes[key] = nbytes
-        self.peak = max(self.peak, self.allocated)
-
-    def _forget(self, key: int) -> None:
-        self.cuda.pop(key, None)
-        self.allocated -= self.sizes.pop(key, 0)
-
-    def resized(self, storage) -> None:
-        """Count a tagged storage's new size (``UntypedStorage.resize_``: offload's way to free
-        and re-allocate device memory)."""
-        ref = self.cuda.get(id(storage))
-        if ref is not None and ref() is storage:
-            self._count(id(storage), storage.nbytes())
-
-    @staticmethod
-    def _storage(t: torch.Tensor):
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            return None
-        return storage if storage.nbytes() else None
-
-    def is_cuda(self, t: torch.Tensor) -> bool:
-        storage = self._storage(t)
-        ref = self.cuda.get(id(storage)) if storage is not None else None
-        return ref is not None and ref() is storage
-
-    def set(self, out, on_cuda: bool) -> None:
-        for t in tree_leaves(out):
-            storage = self._storage(t) if torch.is_tensor(t) else None
-            if storage is None:
-                continue
-            key = id(storage)
-            ref = self.cuda.get(key)
-            if on_cuda and (ref is None or ref() is not storage):
-                self._forget(key)  # a dead storage's tag at a recycled address
-                self._count(key, storage.nbytes())
-                self.cuda[key] = weakref.ref(storage, lambda _, k=key: self._forget(k))
-            elif not on_cuda and ref is not None:
-                self._forget(key)
-
-
-_TAGS = _DeviceTags()
-
-
-class _PinnedStorages:
-    """Emulated page-locked host memory: the storages made by ``pin_memory()`` or a factory
-    with ``pin_memory=True`` (CUDA-less torch refuses both: "no pinned memory allocator")."""
-
-    def __init__(self) -> None:
-        self.pinned: dict[int, weakref.ref] = {}
-
-    def is_pinned(self, t: torch.Tensor) -> bool:
-        storage = _DeviceTags._storage(t)
-        ref = self.pinned.get(id(storage)) if storage is not None else None
-        return ref is not None and ref() is storage
-
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
-        storage = _DeviceTags._storage(t)
-        if storage is not None:
-            key = id(storage)
-            self.pinned[key] = weakref.ref(storage, lambda _, k=key: self.pinned.pop(k, None))
-        return t
-
-
-_PINNED = _PinnedStorages()
-_HOST_COLLECTIVE = threading.local()
-
-
-@contextlib.contextmanager
-def host_collective() -> Iterator[None]:
-    """Collectives issued inside run on a gloo group (e.g. the weight-update group with a CPU
-    rollout server), which moves host tensors on GPU machines too: strict device mode does not
-    ask for CUDA tensors there. No-op otherwise."""
-    depth = getattr(_HOST_COLLECTIVE, "depth", 0)
-    _HOST_COLLECTIVE.depth = depth + 1
-    try:
-        yield
-    finally:
-        _HOST_COLLECTIVE.depth = depth
-_DEVICE_QUERIES = {  # the virtual device is this process's GPU, cuda:LOCAL_RANK
-    torch.Tensor.device.__get__: lambda t: device() if _TAGS.is_cuda(t) else t.device,
-    torch.Tensor.is_cuda.__get__: lambda t: _TAGS.is_cuda(t) or t.is_cuda,
-    torch.Tensor.get_device: lambda t: device().index if _TAGS.is_cuda(t) else t.get_device(),
-}
-
-
-def is_virtual_cuda(t: torch.Tensor) -> bool:
-    """True for a tensor of the strict mode's virtual GPU (host memory that plays CUDA)."""
-    return _strict() and _TAGS.is_cuda(t)
-
-
-def share_memory(t: torch.Tensor) -> torch.Tensor:
-    """``t.share_memory_()`` (host memory another process can map by handle), keeping a
-    virtual-CUDA tensor on its virtual GPU (sharing gives it a new storage)."""
-    virtual = is_virtual_cuda(t)
-    t.share_memory_()
-    if virtual:
-        _TAGS.set(t, True)
-    return t
-# ops CUDA torch runs across devices: copies, and indexing with CPU index tensors
-_CROSS_DEVICE = {"aten::copy_", "aten::_to_copy", "aten::index.Tensor", "aten::index_put_",
-                 "aten::index_put", "aten::_index_put_impl_", "aten::set_"}
-
-
-def _in_object_collective() -> bool:
-    """True inside torch's *_object collectives, which pick the tensor device from the backend."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name.endswith(("_object", "_object_list")) and \
-                frame.f_code.co_filename.endswith("distributed_c10d.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _DeviceCheckMode(TorchDispatchMode):
-    """Propagates CUDA tags through every aten op and raises where CUDA torch would."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        on_cuda = [_TAGS.is_cuda(t) for t in tensors]
-        name = func.name()
-        if name.startswith("c10d::") and name != "c10d::barrier":  # torch makes its tensor
-            if not all(on_cuda[i] or not t.numel() for i, t in enumerate(tensors)) and \
-                    not getattr(_HOST_COLLECTIVE, "depth", 0) and not _in_object_collective():
-                raise DeviceMismatchError(
-                    f"{name} on a CPU tensor: NCCL (the GPU backend) only moves CUDA tensors")
-        elif any(on_cuda) and name not in _CROSS_DEVICE:
-            cpu = [tuple(t.shape) for t, c in zip(tensors, on_cuda) if not c and t.dim()]
-            if cpu:
-                raise DeviceMismatchError(
-                    f"{name} mixes CUDA tensors with CPU tensors of shapes {cpu}: on a GPU "
-                    "machine this op fails (a tensor was not moved to platform.device())")
-        out = func(*args, **kwargs)
-        if name in ("aten::copy_", "aten::set_"):
-            return out
-        _TAGS.set(out, any(on_cuda))
-        return out
 
 
 _CUDA_TYPE_NAMES = {
@@ -446,12 +231,11 @@ def _patch_cuda_module() -> None:
     cuda.synchronize = lambda *a, **k: None
     cuda.set_device = lambda *a, **k: None
     cuda.empty_cache = lambda: None
-    # the virtual GPU's bytes in strict device mode (nothing is tagged otherwise: 0)
-    cuda.memory_allocated = lambda *a, **k: _TAGS.allocated
-    cuda.max_memory_allocated = lambda *a, **k: _TAGS.peak
-    cuda.reset_peak_memory_stats = lambda *a, **k: setattr(_TAGS, "peak", _TAGS.allocated)
-    cuda.mem_get_info = lambda *a, **k: (
-        (_TAGS.limit - _TAGS.allocated, _TAGS.limit) if _TAGS.limit is not None else (0, 0))
+    # no device memory (strict device mode counts the virtual GPU's: virtual_cuda.install)
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.mem_get_info = lambda *a, **k: (0, 0)
     cuda.current_stream = lambda *a, **k: _NullStream()
     cuda.Stream = _NullStream  # a class: annotations like `torch.cuda.Stream | None` work
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
@@ -462,21 +246,6 @@ def _patch_cuda_module() -> None:
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
-
-
-def _count_virtual_memory() -> None:
-    """Strict mode: the virtual GPU's size from ``KLEAR_VIRTUAL_GPU_MEMORY_GB``, and storage
-    resizes counted (``UntypedStorage.resize_`` is no aten op the dispatch mode sees)."""
-    size = os.environ.get(VIRTUAL_MEMORY_ENV)
-    _TAGS.limit = int(float(size) * 2**30) if size else None
-    resize = torch.UntypedStorage.resize_
-
-    def resize_(self, size):
-        out = resize(self, size)
-        _TAGS.resized(self)
-        return out
-
-    torch.UntypedStorage.resize_ = resize_
 
 
 def _patch_megatron_rng() -> None:
@@ -700,13 +469,9 @@ def setup() -> Platform:
         _patch_cuda_module()
         _patch_megatron_rng()
         _patch_tensor_type()
-        strict = _strict()
+        strict = virtual_cuda.active()
         if strict:
-            torch.cuda.is_available = lambda: True  # the virtual device is a CUDA device
-            _count_virtual_memory()
-            check = _DeviceCheckMode()
-            check.__enter__()
-            _STATE["check"] = check
+            _STATE["check"] = virtual_cuda.install()
         mode = _CudaToCpuMode(strict)
         mode.__enter__()  # global for the process: megatron creates tensors everywhere
         _keep_mode_in_backward(mode)

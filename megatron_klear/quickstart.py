@@ -117,8 +117,8 @@ def rl_args(out: Path, args: argparse.Namespace, start: Path | None = None) -> l
 @contextlib.contextmanager
 def _sglang_server(model: Path, log_dir: Path):
     """One real SGLang server on 127.0.0.1 serving ``model`` (fp32, CPU engine): its URL."""
-    from megatron_klear.rollout.launcher import (SGLANG_CPU_ARGS, launch_sglang_servers,
-                                                 sglang_cpu_env)
+    from megatron_klear.rollout.engine.launcher import (SGLANG_CPU_ARGS, launch_sglang_servers,
+                                                        sglang_cpu_env)
 
     python = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
     if not python.is_file():

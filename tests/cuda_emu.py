@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from megatron_klear.ops import policy_loss as op_module
+from megatron_klear.ops import vocab_parallel as op_module
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "csrc" / "cuda" / "vocab_logprobs.cu"

@@ -59,7 +59,7 @@ def fixed_rollout_batch(rewards: list[float], seed: int):
     (5, 4), (5, 6), (7, 3), (7, 5)), the given rewards and their group advantages: the fixed
     batch of the loss tests."""
     from megatron_klear.algo.advantages import group_advantages
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     b = RolloutBatch(group_size=2)

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from megatron_klear.data.prompts import PromptSample
+from megatron_klear.samples import RolloutBatch
 from megatron_klear.train.async_rollout import RolloutSource
-from megatron_klear.train.rl_data import PromptStream, RolloutBatch
+from megatron_klear.train.rl_data import PromptStream
 
 
 def _source(ahead: int, steps: int, calls: list):

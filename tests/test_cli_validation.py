@@ -203,6 +203,44 @@ def test_bad_cpu_gemm_variable_exits_2_with_one_line(inputs, capsys, monkeypatch
                                           inputs["sft_torn"], *extra], wants, capsys)
 
 
+def test_model_folder_without_config_json_is_refused_by_the_dry_run(inputs, capsys,
+                                                                     monkeypatch):
+    """A --hf-checkpoint folder that is on this machine but holds no config.json: exit 2 with
+    one line naming the folder, in the dry run as in the real run (a folder that is not here
+    at all is a dry run for another machine: planned without the model)."""
+    from megatron_klear.train import rl
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    empty = inputs["dir"] / "no_config"
+    empty.mkdir(exist_ok=True)
+    for extra in (["--dry-run"], []):
+        _exits_2_with_one_line(rl.main, ["--hf-checkpoint", str(empty), "--prompt-data",
+                                         inputs["good"], *extra], f"{empty}/config.json",
+                               capsys)
+
+
+def test_tools_with_a_template_that_cannot_render_them_is_refused_by_the_dry_run(
+        inputs, capsys, monkeypatch):
+    """--tools with a chat template that cannot carry tool turns (a Qwen3-like template
+    without tool support, --chat-template): exit 2 with one line, dry run and real run
+    alike; the model's own tool template passes the dry run (the control)."""
+    from megatron_klear.models.tiny import TOOL_CHAT_TEMPLATE, build_tokenizer
+    from megatron_klear.train import rl
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = inputs["dir"] / "tool_tokenizer"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(tiny_qwen3_config()))
+    build_tokenizer(model, chat_template=TOOL_CHAT_TEMPLATE)
+    argv = ["--hf-checkpoint", str(model), "--prompt-data", inputs["good"], "--tools", "python"]
+    plain = ["--chat-template", str(ROOT / "tests" / "data" / "qwen3_like_chat_template.jinja")]
+    for extra in (["--dry-run"], []):
+        _exits_2_with_one_line(rl.main, [*argv, *plain, *extra], "--tools: the chat template",
+                               capsys)
+    rl.main([*argv, "--dry-run"])
+    assert '"dry_run"' in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("style", ["constant", "cosine", "linear"])
 def test_warmup_against_decay_steps_for_every_style(style):
     """megatron-core's OptimizerParamScheduler asserts warm-up < decay steps whatever the
@@ -240,8 +278,9 @@ def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
     from megatron_klear.config import _build_parser
     from megatron_klear.data.prompt_flags import PromptFlags
     from megatron_klear.eval.__main__ import build_parser
-    from megatron_klear.rollout import client, sampling
-    from megatron_klear.rollout.tool_flags import ToolFlags
+    from megatron_klear.rollout.engine import server
+    from megatron_klear.rollout.orchestration import client
+    from megatron_klear.rollout.orchestration.tool_flags import ToolFlags
     from megatron_klear.train.rl_config import RLConfig
     from megatron_klear.train.sft_config import SFTConfig
 
@@ -259,4 +298,4 @@ def test_prompt_and_sampling_flags_are_one_contract_across_the_clis():
     for name in shared + tools:
         assert ev[name][:2] == rl[name][:2] and ev[name][3:] == rl[name][3:], name
     assert sft["chat_template_kwargs"][3] == rl["chat_template_kwargs"][3]
-    assert client.SamplingParams is sampling.SamplingParams
+    assert client.SamplingParams is server.SamplingParams

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.rollout.client import RolloutClient
-from megatron_klear.rollout.launcher import launch_embedded_servers
-from megatron_klear.rollout.tensor_handles import (bucket_tensors, deserialize, serialize_bucket,
-                                                   shared_buffer)
+from megatron_klear.rollout.orchestration.client import RolloutClient
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
+from megatron_klear.rollout.transport.tensor_handles import (bucket_tensors, deserialize,
+                                                             serialize_bucket, shared_buffer)
 from tests.dist import run_distributed
 from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
 from tests.test_rl import hf_model, prompts  # noqa: F401 (fixtures)
@@ -97,7 +97,7 @@ def test_release_resume_and_update_from_tensor(model_dir):
 def test_resumed_weights_are_undefined_until_updated(model_dir):
     """Resumed weights hold NaN (SGLang's are whatever torch_memory_saver maps), so a rollout
     served between resume and update cannot pass for a synced one; the memory is freed."""
-    from megatron_klear.rollout.generator import Generator
+    from megatron_klear.rollout.engine.generator import Generator
 
     gen = Generator(model_dir)
     total = sum(p.numel() * p.element_size() for p in gen.model.parameters())
@@ -111,7 +111,7 @@ def test_resumed_weights_are_undefined_until_updated(model_dir):
 
 def _separate_then_colocated(rank: int, world: int, argv: list[str], root: str) -> dict:
     """The same klear-rl run twice in these ranks: separate mode, then ``--colocate``."""
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
     keys = ("train/loss", "grad_norm", "rollout/reward_mean",
@@ -121,7 +121,7 @@ def _separate_then_colocated(rank: int, world: int, argv: list[str], root: str) 
     # default number (one per core), and rollouts do not depend on the number of servers
     colocated = ["--colocate", "--sglang-tp-size", "2"]
     for mode, extra in (("separate", []), ("colocated", colocated)):
-        hist = train(parse_config(RLConfig, argv + extra + ["--save", f"{root}/{mode}"]))
+        hist = train(load_config(RLConfig, argv + extra + ["--save", f"{root}/{mode}"]))
         out[mode] = [{k: m.get(k) for k in keys} for m in hist]
         out[mode + "_all"] = hist
     return out
@@ -209,11 +209,11 @@ BF16_PROBE_TOL = 0.2
 
 
 def _strict_colocated(rank: int, world: int, argv: list[str]) -> list[dict]:
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
     return [{k: v for k, v in m.items() if isinstance(v, float)}
-            for m in train(parse_config(RLConfig, argv))]
+            for m in train(load_config(RLConfig, argv))]
 
 
 def test_colocated_run_as_the_launch_script_starts_it(model_dir, prompts, tmp_path):
@@ -276,6 +276,7 @@ def _plan(argv: list[str]):
     from megatron_klear.train.rl import RLConfig, memory_workload
 
     cfg = parse_config(RLConfig, argv)
+    cfg.derive()  # preflight's, without the model
     peak = plan_memory(qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint)), cfg, 2,
                        memory_workload(cfg)).peak
     return SimpleNamespace(trainer=peak.total, save_state=peak.params + peak.grads + peak.optimizer)
@@ -287,7 +288,7 @@ def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:
     GPU 1."""
     from megatron_klear.config import TrainConfig
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.rollout.tensor_handles import serialize_bucket, shared_buffer
+    from megatron_klear.rollout.transport.tensor_handles import serialize_bucket, shared_buffer
     from megatron_klear.train.colocate import Colocation
     from megatron_klear.train.engine import build_engine
 
@@ -311,14 +312,14 @@ def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:
     flat = shared_buffer(8, torch.device("cuda"))
     payload = {"serialized_named_tensors": [serialize_bucket(
         flat, [("model.norm.weight", (2,), torch.float32, 0)])], "load_format": "flattened_bucket"}
-    from megatron_klear import platform  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
+    from megatron_klear import virtual_cuda  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
 
-    platform._TAGS.limit = torch.cuda.memory_allocated() + 1024
+    virtual_cuda._TAGS.limit = torch.cuda.memory_allocated() + 1024
     try:
         torch.empty(4096, dtype=torch.uint8, device="cuda")
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc)
-    platform._TAGS.limit = None
+    virtual_cuda._TAGS.limit = None
     for url in urls:
         RolloutClient([url]).post_all("/begin_weight_update", {})
         out[url] = _post(url, "/update_weights_from_tensor", payload)

@@ -69,3 +69,20 @@ def test_rope_theta_from_rope_parameters_and_yarn():
     tconf = transformer_config(arch)
     assert tconf.yarn_rotary_scaling_factor == 4.0
     assert tconf.yarn_original_max_position_embeddings == 128
+
+
+def test_a_part_receives_its_section_only():
+    """``cfg.part(Section)``: the section's own flags as an object of that section (what a
+    part of the trainer receives), with the parsed values; no other section's flags."""
+    import dataclasses
+
+    from megatron_klear.train.rl import RLConfig
+    from megatron_klear.train.rl_data import DynamicSamplingFlags
+
+    cfg = parse_config(RLConfig, ["--hf-checkpoint", "x", "--prompt-data", "x",
+                                  "--max-gen-rounds", "1", "--filter-groups-metric", "acc"])
+    part = cfg.part(DynamicSamplingFlags)
+    assert type(part) is DynamicSamplingFlags
+    assert {f.name for f in dataclasses.fields(part)} == set(DynamicSamplingFlags.section_fields())
+    assert (part.max_gen_rounds, part.filter_groups_metric) == (1, "acc")
+    assert not hasattr(part, "rollout_batch_size")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megatron_klear.ops.policy_loss import merge_shard_stats
+from megatron_klear.ops.vocab_parallel import merge_shard_stats
 from tests.cpu_kernel_copies import check_every_lower_copy
 from tests.cuda_emu import MUTATIONS, build, emulated_ops
 from tests.policy_loss_cases import reference64, ulp

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.rollout.qwen3_decode import grouped_attention
+from megatron_klear.rollout.engine.qwen3_decode import grouped_attention
 from tests.cpu_kernel_copies import check_every_lower_copy
 # (rows, heads, kv_heads, dim, capacity, keys)
 CASES = [(5, 4, 2, 32, 48, 48), (3, 4, 2, 32, 48, 17), (4, 2, 2, 16, 20, 19),
@@ -102,7 +102,7 @@ def test_server_cache_decodes_through_the_kernel():
     growth, as the torch path does (the same cache through both)."""
     from types import SimpleNamespace
 
-    from megatron_klear.rollout import qwen3_decode
+    from megatron_klear.rollout.engine import qwen3_decode
 
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2,
                              num_attention_heads=4, hidden_size=64, head_dim=16)

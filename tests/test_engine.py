@@ -34,7 +34,7 @@ def _train(rank, world, tp, pp, ckpt_dir, save):
     from megatron_klear.models.qwen3 import qwen3_config_from_hf
     from megatron_klear.models.tiny import tiny_qwen3_config
     from megatron_klear.train.engine import build_engine
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     arch = qwen3_config_from_hf(tiny_qwen3_config(vocab_size=VOCAB))
     cfg = TrainConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=3e-3,

@@ -158,7 +158,7 @@ def test_eval_with_tools_scores_final_answers_and_reports_turn_metrics(tmp_path)
     (a scripted engine stands in for the servers); the math reward scores the final answer,
     a malformed call is a tool error, and the report's per-sample means are the records'."""
     from megatron_klear.eval.evaluate import Benchmark, evaluate
-    from megatron_klear.rollout.client import SamplingParams
+    from megatron_klear.rollout.orchestration.client import SamplingParams
     from tests.test_multi_turn import ScriptedEngine, _ctx, _tokenizer, call
 
     tok, end = _tokenizer(), "<|im_end|>"

@@ -16,7 +16,7 @@ command line's values where they differ from the YAML, and the YAML's where it i
 
 Rollout servers are started the way ``examples/klear_8b/launch_sglang.sh`` starts them (its
 ``--dry-run`` prints the commands and URLs: same model, same ports), as embedded CPU servers
-speaking SGLang's HTTP API (megatron_klear/rollout/server.py stands in for
+speaking SGLang's HTTP API (megatron_klear/rollout/engine/server.py stands in for
 sglang.launch_server; the real SGLang tier is tests/interop/).
 """
 
@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from megatron_klear.distributed import free_port, free_port_range
-from megatron_klear.rollout.launcher import launch_embedded_servers
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 from megatron_klear.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

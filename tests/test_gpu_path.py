@@ -38,7 +38,7 @@ VOCAB_KW = dict(global_batch_size=4, micro_batch_size=2, seq_length=64, seed=5)
 def _batch():
     """Two prompts, two samples each (the shape of a GRPO group), uneven lengths."""
     from megatron_klear.algo.advantages import group_advantages
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     g = torch.Generator().manual_seed(2)
     b = RolloutBatch(group_size=2)
@@ -117,8 +117,8 @@ def _gpu_path(rank, world, hf_dir, url, tmp):
     from megatron_klear import platform
     from megatron_klear.checkpoint.convert import compare_logits
     from megatron_klear.ops.backend import loss_backend
-    from megatron_klear.rollout.weight_sync import WeightSync
-    from megatron_klear.rollout.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
+    from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
     from tests.virtual_cuda import virtual_cuda_kernels
 
     assert platform.device().type == "cuda" and torch.cuda.is_available()
@@ -163,7 +163,7 @@ def hf_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def strict_run(hf_dir, tmp_path_factory):
-    from megatron_klear.rollout.launcher import launch_embedded_servers
+    from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 
     tmp = tmp_path_factory.mktemp("gpu_path")
     with launch_embedded_servers(hf_dir, 1, log_dir=tmp) as servers:

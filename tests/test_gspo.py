@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_klear.algo.losses import per_token_policy_loss, sequence_mean
+from megatron_klear.ops.loss_math import per_token_policy_loss, sequence_mean
 from megatron_klear.ops import vocab_parallel_policy_loss
 
 D = torch.float64

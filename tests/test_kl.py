@@ -42,7 +42,7 @@ def _swap(rank, world, hf):
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine, restore_or_init
     from megatron_klear.train.reference import ReferencePolicy
-    from megatron_klear.algo.rl_loss import old_logprobs
+    from megatron_klear.algo.rl_objective import old_logprobs
 
     arch = qwen3_config_from_hf(load_hf_config(hf))
     cfg = TrainConfig(hf_checkpoint=hf, tensor_model_parallel_size=2, global_batch_size=2)
@@ -79,10 +79,10 @@ def test_reference_forward_tp2_matches_transformers_and_restores_policy(tmp_path
 
 
 def _rl(rank, world, argv):
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
-    return train(parse_config(RLConfig, argv))
+    return train(load_config(RLConfig, argv))
 
 
 def test_rl_with_kl_term(tmp_path):
@@ -117,6 +117,8 @@ def test_dry_run_plans_the_reference_in_host_memory(monkeypatch, capsys):
             "examples/klear_8b/hf_config", "--prompt-data", "x.jsonl"]
     plain = parse_config(RLConfig, base)
     with_kl = parse_config(RLConfig, base + ["--kl-coef", "0.001"])
+    for cfg in (plain, with_kl):
+        cfg.derive()  # preflight's, without the model
     report = dry_run(with_kl, memory_workload(with_kl))["memory"]
     params_gib = report["gib"]["params"]  # the binding stage's weights on the GPU
     assert report["kl_reference_host_gib_per_rank"] == pytest.approx(2 * params_gib, abs=0.02)

@@ -48,11 +48,11 @@ def _command(kind: str, root: Path, hf: Path, data: dict) -> tuple[list[str], li
                          "--reward", "math", "--no-dynamic-sampling", "--rollout-batch-size",
                          2, "--mini-batch-size", 2, "--n-samples-per-prompt", 2,
                          "--rollout-max-response-len", 8), \
-            ["megatron_klear.train.rl", "megatron_klear.rollout.server",
+            ["megatron_klear.train.rl", "megatron_klear.rollout.engine.server",
              "megatron_klear.rewards.math"]
     return _torchrun(1, "megatron_klear.eval", "--model", hf, "--benchmark", data["eval"],
                      "--k", 64, "--max-new-tokens", 64, "--out-dir", root / kind), \
-        ["megatron_klear.eval", "megatron_klear.rollout.server"]
+        ["megatron_klear.eval", "megatron_klear.rollout.engine.server"]
 
 
 def _running(p: psutil.Process) -> bool:

@@ -110,7 +110,7 @@ def _sft(rank, world, hf: Path, out: Path):
     from megatron_klear.models.lora import is_adapter_key
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine, initialize_parallel, restore_or_init
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     base_hf = out / "base_hf"
     full = convert_hf_to_megatron(base_hf, out / "full", dtype="fp32")
@@ -178,7 +178,7 @@ def _layouts_step(rank, world, hf: Path):
     from megatron_klear.checkpoint.peft_io import _stage_tensors
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.engine import build_engine, initialize_parallel, restore_or_init
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     arch = qwen3_config_from_hf(load_hf_config(hf))
     out = {}
@@ -329,8 +329,8 @@ def _sync(rank, world, url: str, hf: Path):
     from megatron_klear.checkpoint.hf_io import SafetensorsReader
     from megatron_klear.models.lora import adapters, adapters_disabled
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.rollout.probe import trainer_sequence_logprobs
-    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
     from megatron_klear.train.engine import build_model, initialize_parallel
 
     initialize_parallel(1, 1)
@@ -369,7 +369,7 @@ def _sync(rank, world, url: str, hf: Path):
 
 
 def test_weight_sync_sends_merged_weights_every_sync(tmp_path):
-    from megatron_klear.rollout.launcher import launch_embedded_servers
+    from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 
     hf = save_tiny_hf_model(tmp_path / "hf", std=0.2, seed=4)
     with launch_embedded_servers(hf, 1, log_dir=tmp_path / "logs") as server:

@@ -62,7 +62,8 @@ def _layouts(rank, world, hf_dir):
     from megatron_klear.distributed import initialize_parallel
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation, policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, aggregation_totals, \
+        annotate_aggregation, policy_loss_fn
     from megatron_klear.data.microbatches import pad_microbatches
 
     batch = _batch()
@@ -86,8 +87,10 @@ def _layouts(rank, world, hf_dir):
                                seq_len)
         annotate_aggregation(mbs)
         engine.forward_only(mbs, _fill_old(arch.vocab_size, ks))   # old = current + offsets
-        m = engine.train_step(mbs, policy_loss_fn(cfg, arch.vocab_size, 0.0, 0.0,
-                                                  aggregation_totals(batch, range(MINI))))
+        m = engine.train_step(mbs, policy_loss_fn(cfg.part(PolicyLossFlags), arch.vocab_size,
+                                                  0.0, 0.0, aggregation_totals(batch, range(MINI)),
+                                                  temperature=cfg.rollout_temperature,
+                                                  backend=cfg.loss_backend))
         out[name] = {"loss": m.get("train/loss"), "norm": m["grad_norm"]}
         parallel_state.destroy_model_parallel()
     return out
@@ -95,7 +98,7 @@ def _layouts(rank, world, hf_dir):
 
 def _fill_old(vocab_size, ks):
     """A forward-only loss that stores old log-probs = current + _old_shift (and entropy)."""
-    from megatron_klear.algo.rl_loss import fill_logprobs
+    from megatron_klear.algo.rl_objective import fill_logprobs
 
     seen = iter(ks)
 

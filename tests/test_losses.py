@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from megatron_klear.algo.losses import (POLICY_LOSSES, aggregate, per_token_policy_loss,
-                                        policy_loss, sft_loss)
+from megatron_klear.ops.loss_math import (POLICY_LOSSES, aggregate, per_token_policy_loss,
+                                          policy_loss, sft_loss)
 
 EPS_L, EPS_H, C = 0.2, 0.28, 3.0
 # (ratio, advantage, case)

@@ -1,4 +1,4 @@
-"""The pure-torch spec (algo/losses.py) is exact in the dtype it is given, and the official
+"""The pure-torch spec (ops/loss_math.py) is exact in the dtype it is given, and the official
 Klear arithmetic is reproduced operation for operation.
 
 * float64 hand tables at 1e-12: clipped GPPO / PPO tokens, dual clip (c = 3 and Klear's c = 10),
@@ -16,8 +16,8 @@ Klear arithmetic is reproduced operation for operation.
 import pytest
 import torch
 
-from megatron_klear.algo.losses import (AggregationTotals, MicroCounts, aggregate_rl_loss,
-                                        entropy_ratio_mask, per_token_policy_loss)
+from megatron_klear.ops.loss_math import (AggregationTotals, MicroCounts, aggregate_rl_loss,
+                                          entropy_ratio_mask, per_token_policy_loss)
 
 F64 = torch.float64
 EPS_L, EPS_H = 0.2, 0.28          # neither is a float32 number: a float32 constant shows

@@ -146,7 +146,7 @@ def _batches(step: int):
     """This DP rank's micro-batches of step ``step`` and the loss function (global mean)."""
     from megatron.core import parallel_state
 
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
@@ -186,7 +186,7 @@ def _sft_loss_paths() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     over masked fp32 logits (the SFT loss before issue 13), on this TP rank's vocab shard."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     rank = parallel_state.get_tensor_model_parallel_rank()
     g = torch.Generator().manual_seed(5)

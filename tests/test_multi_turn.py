@@ -1,4 +1,4 @@
-"""Multi-turn tool rollouts (rollout/multi_turn.py) with a scripted engine and Qwen3's real
+"""Multi-turn tool rollouts (rollout/orchestration/multi_turn.py) with a scripted engine and Qwen3's real
 tokenizer and chat template (tests/qwen3_files.py; the tool-less fixture
 tests/data/qwen3_like_chat_template.jinja shows a template without tool support): the ids of a 3-turn tool trajectory are the ids the template renders for the whole
 conversation, the loss mask covers exactly the model's own tokens, and hostile calls are
@@ -13,12 +13,13 @@ from megatron_klear.data.microbatches import pad_microbatches
 from megatron_klear.data.prompts import PromptSample
 from megatron_klear.models.tiny import build_tokenizer
 from megatron_klear.rewards.sandbox import SandboxLimits
-from megatron_klear.rollout.client import Generation, SamplingParams
-from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError, \
+from megatron_klear.rollout.orchestration.client import Generation, SamplingParams
+from megatron_klear.rollout.orchestration.multi_turn import MultiTurnConfig, ToolTemplateError, \
     generate_tool_turns, sampled_turn_end, tool_response_ids
-from megatron_klear.rollout.pipeline import RolloutContext, Sample, score_samples
-from megatron_klear.rollout.tools import PYTHON_SCHEMA, python_tool
-from megatron_klear.train.rl_data import RolloutBatch, rollout_stats
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, score_samples
+from megatron_klear.rollout.orchestration.tools import PYTHON_SCHEMA, python_tool
+from megatron_klear.samples import RolloutBatch, Sample
+from megatron_klear.train.rl_data import rollout_stats
 from tests.qwen3_files import qwen3_tokenizer
 
 PLAIN = Path(__file__).parent / "data" / "qwen3_like_chat_template.jinja"
@@ -165,7 +166,7 @@ def test_hostile_calls_are_answered_with_errors_and_the_rollout_goes_on():
 def test_hostile_user_tools_and_a_deeply_nested_call_inside_a_rollout():
     """A user tool that hangs, one that raises, one that floods, and a call nested past
     json's recursion limit (which crashed the step): each answered, the rollout scores."""
-    from megatron_klear.rollout.tools import Tool
+    from megatron_klear.rollout.orchestration.tools import Tool
 
     def schema(name):
         return {"type": "function", "function": {"name": name, "parameters": {}}}
@@ -203,7 +204,7 @@ def test_hostile_user_tools_and_a_deeply_nested_call_inside_a_rollout():
 def test_calls_past_the_per_turn_cap_are_answered_not_run():
     """--max-tool-calls 2: a turn of five calls runs two (the tool counts its runs); the
     other three get an error response each, so every call has its response."""
-    from megatron_klear.rollout.tools import Tool
+    from megatron_klear.rollout.orchestration.tools import Tool
 
     runs = []
     count = Tool("count", {"type": "function", "function": {"name": "count", "parameters": {}}},
@@ -256,7 +257,7 @@ def test_a_turn_cut_by_the_token_limit_ends_with_length():
 def test_a_template_without_tool_support_is_refused_by_name():
     """Negative control of the template delta: the tool-less fixture drops role tool; the
     pre-flight (check_tool_template) refuses it before a run."""
-    from megatron_klear.rollout.multi_turn import check_tool_template
+    from megatron_klear.rollout.orchestration.multi_turn import check_tool_template
 
     cfg = _ctx(_tokenizer(), None).multi_turn
     check_tool_template(_tokenizer(), cfg)
@@ -278,7 +279,7 @@ def test_tools_flags_and_collect_batch_with_tools():
     generates multi-turn samples, scores their final answers and keeps their loss masks."""
     from megatron_klear.config import ConfigError, parse_config
     from megatron_klear.train.rl_config import RLConfig
-    from megatron_klear.train.rl_data import PromptStream, collect_batch
+    from megatron_klear.train.rl_data import DynamicSamplingFlags, PromptStream, collect_batch
 
     required = ["--hf-checkpoint", "x", "--prompt-data", "x"]
     cfg = parse_config(RLConfig, required + ["--tools", "python", "tests.test_tools:add",
@@ -299,7 +300,7 @@ def test_tools_flags_and_collect_batch_with_tools():
     prompts = [PromptSample(0, [{"role": "user", "content": "Q"}], "3")]
     batch = collect_batch(engine, tok, PromptStream(prompts, 0), 1,
                           SamplingParams(n=2, max_new_tokens=400), "math",
-                          dynamic_sampling=False, multi_turn=mt)
+                          DynamicSamplingFlags(dynamic_sampling=False), multi_turn=mt)
     assert batch.rewards == [1.0, 1.0] and len(batch.loss_masks) == 2
     assert all(0 < sum(m) < len(m) for m in batch.loss_masks)
     assert batch.stats["multi_turn/tool_calls"] == 1.0 and batch.stats["multi_turn/turns"] == 2
@@ -308,7 +309,7 @@ def test_tools_flags_and_collect_batch_with_tools():
                                        "It is \\boxed{3}.<|im_end|>"]})
     batch = collect_batch(engine, tok, PromptStream(prompts, 0), 1,
                           SamplingParams(n=2, max_new_tokens=400), "math",
-                          dynamic_sampling=False, multi_turn=mt,
+                          DynamicSamplingFlags(dynamic_sampling=False), multi_turn=mt,
                           stages=["score=tests.test_multi_turn:score_with_tool_errors"])
     assert batch.rewards == [0.75, 0.75]
 
@@ -320,7 +321,7 @@ def test_prompts_with_their_own_tools_and_fixed_arguments(tmp_path):
     import json
 
     from megatron_klear.data.prompts import DataError, load_prompt_dataset
-    from megatron_klear.rollout.tools import load_tool
+    from megatron_klear.rollout.orchestration.tools import load_tool
 
     rec = {"prompt": [{"role": "user", "content": "Q"}], "reward_model": {"ground_truth": "3"},
            "tools": ["add"], "extra_info": {"tools_kwargs": {"add": {"create_kwargs": {"b": 1}}}}}
@@ -350,16 +351,16 @@ def test_prompts_with_their_own_tools_and_fixed_arguments(tmp_path):
 def test_loss_aggregation_counts_only_the_trained_tokens(monkeypatch):
     """aggregation_totals (--loss-aggregation's divisors) counts a multi-turn sample's own
     tokens, not its tool tokens; whole responses count every token as before."""
-    from megatron_klear.algo import rl_loss
+    from megatron_klear.algo import rl_objective
 
-    monkeypatch.setattr(rl_loss.parallel_state, "get_data_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(rl_objective.parallel_state, "get_data_parallel_world_size", lambda: 1)
     own = Sample([1], [5, 6, 7, 8, 9], [-.1] * 5, [1, 0, 0, 1, 1], "stop", 0, 0, reward=1.0)
     whole = Sample([1], [5, 6], [-.1] * 2, [1, 1], "stop", 0, 0, reward=0.0)
-    masked = rl_loss.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
+    masked = rl_objective.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
                                         [0, 1])
     assert masked[:2] == (5.0, 3.0)        # 3 + 2 trained tokens; the positive's 3
     own.loss_mask = [1] * 5
-    plain = rl_loss.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
+    plain = rl_objective.aggregation_totals(RolloutBatch.from_samples([own, whole], 2, 1.0, {}),
                                        [0, 1])
     assert plain[:2] == (7.0, 5.0)
 

@@ -9,12 +9,12 @@ import torch
 
 from megatron_klear.data.prompts import PromptSample
 from megatron_klear.models.tiny import save_tiny_hf_model
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
-from megatron_klear.rollout.launcher import launch_embedded_servers
-from megatron_klear.rollout.multi_turn import MultiTurnConfig, generate_tool_turns
-from megatron_klear.rollout.pipeline import RolloutContext
-from megatron_klear.rollout.tool_calls import ParsedTurn, ToolCall, get_tool_parser
-from megatron_klear.rollout.tools import load_tool, tool
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
+from megatron_klear.rollout.orchestration.multi_turn import MultiTurnConfig, generate_tool_turns
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext
+from megatron_klear.rollout.orchestration.tool_calls import ParsedTurn, ToolCall, get_tool_parser
+from megatron_klear.rollout.orchestration.tools import load_tool, tool
 from tests.qwen3_files import qwen3_chat_template
 from tests.rollout_helpers import load_reference, reference_logprobs
 

@@ -33,7 +33,7 @@ def _case(rank: int, world: int, cpu_offload: bool) -> dict:
     from megatron_klear.models.tiny import tiny_qwen3_config
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.offload import TrainerOffload
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     arch = qwen3_config_from_hf(tiny_qwen3_config(vocab_size=VOCAB))
     cfg = TrainConfig(lr=3e-3, global_batch_size=8, micro_batch_size=2, train_iters=STEPS,
@@ -111,7 +111,7 @@ def _lazy_state(rank: int, world: int) -> dict:
     from megatron_klear.models.tiny import tiny_qwen3_config
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.offload import TrainerOffload
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     arch = qwen3_config_from_hf(tiny_qwen3_config(vocab_size=VOCAB))
     cfg = TrainConfig(lr=3e-3, global_batch_size=4, micro_batch_size=2, train_iters=2,

@@ -8,8 +8,8 @@ import torch
 
 from megatron_klear.algo.advantages import flat_groups, kept_group_advantages
 from megatron_klear.data.prompts import PromptSample
-from megatron_klear.rollout.client import Generation
-from megatron_klear.train.rl_data import PromptStream, collect_batch
+from megatron_klear.rollout.orchestration.client import Generation
+from megatron_klear.train.rl_data import DynamicSamplingFlags, PromptStream, collect_batch
 
 
 def test_kept_group_advantages_by_hand():
@@ -50,7 +50,7 @@ def test_trainable_groups_rounds_like_the_official_trainer():
 
 
 class ScriptedClient:
-    """Stands in for rollout/client.py RolloutClient.generate: one list of n Generations per
+    """Stands in for rollout/orchestration/client.py RolloutClient.generate: one list of n Generations per
     prompt, taken in order from a script (text, finish reason) so the rewards are chosen."""
 
     def __init__(self, tokenizer, script):
@@ -73,7 +73,7 @@ UNCLOSED, BARE = "<think>still going", "\\boxed{5}</think> \\boxed{5}"
 
 def test_collect_batch_overgenerates_once_and_keeps_the_first_informative_groups():
     from megatron_klear.models.tiny import build_tokenizer
-    from megatron_klear.rollout.client import SamplingParams
+    from megatron_klear.rollout.orchestration.client import SamplingParams
 
     tok = build_tokenizer()
     stop, length = "stop", "length"
@@ -93,9 +93,10 @@ def test_collect_batch_overgenerates_once_and_keeps_the_first_informative_groups
         stream = PromptStream(prompts, seed=0)
         order = [p.index for _, p in PromptStream(prompts, seed=0).take(6)]
         client = ScriptedClient(tok, script)
-        batch = collect_batch(client, tok, stream, 2, params, "math_klear", max_rounds=1,
-                              gen_batch_size=6, filter_metric=metric,
-                              overlong_filter=overlong)
+        batch = collect_batch(client, tok, stream, 2, params, "math_klear",
+                              DynamicSamplingFlags(max_gen_rounds=1, rollout_gen_batch_size=6,
+                                                   filter_groups_metric=metric,
+                                                   overlong_filter=overlong))
         assert client.calls == [6] and stream.consumed == 6      # one round, no refill
         assert batch.groups() == 2 and batch.stats["rollout/prompts_drawn"] == 6
         return batch, sorted({order.index(i) for i in batch.prompt_index})
@@ -108,7 +109,7 @@ def test_collect_batch_overgenerates_once_and_keeps_the_first_informative_groups
 
 def test_overlong_filter_drops_responses_without_eos():
     from megatron_klear.models.tiny import build_tokenizer
-    from megatron_klear.rollout.client import SamplingParams
+    from megatron_klear.rollout.orchestration.client import SamplingParams
     from megatron_klear.data.microbatches import sample_fields
 
     tok = build_tokenizer()
@@ -116,8 +117,9 @@ def test_overlong_filter_drops_responses_without_eos():
     client = ScriptedClient(tok, [[(RIGHT, "stop"), (WRONG, "stop"), (RIGHT, "length"),
                                    (WRONG, "stop")]])
     batch = collect_batch(client, tok, PromptStream(prompts, 0), 1,
-                          SamplingParams(n=4, max_new_tokens=64), "math_klear", max_rounds=1,
-                          filter_metric="acc", overlong_filter=True, prompt_limit=(5, "left"))
+                          SamplingParams(n=4, max_new_tokens=64), "math_klear",
+                          DynamicSamplingFlags(max_gen_rounds=1, filter_groups_metric="acc",
+                                               overlong_filter=True), prompt_limit=(5, "left"))
     assert batch.kept == [True, True, False, True]
     full = tok(tok.apply_chat_template(prompts[0].messages, tokenize=False,
                                        add_generation_prompt=True))["input_ids"]
@@ -130,7 +132,7 @@ def test_overlong_filter_drops_responses_without_eos():
 
 
 def test_prompt_left_truncation_and_error():
-    from megatron_klear.rollout.pipeline import limit_prompt
+    from megatron_klear.rollout.orchestration.pipeline import limit_prompt
 
     sample = PromptSample(7, [], None)
     ids = list(range(10))

@@ -160,7 +160,7 @@ def _setup(layers: int, pp: int, tp: int = 1, *, first=None, last=None, vpp_laye
 def _loss_and_batches():
     from megatron.core import parallel_state as ps
 
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     batches, total = _make_batches(ps.get_data_parallel_rank(),
                                    ps.get_data_parallel_world_size())

@@ -1,7 +1,7 @@
 """Device placement on a GPU machine, checked on CPU with the strict virtual-CUDA platform mode.
 
 With ``KLEAR_STRICT_DEVICES=1`` the platform tags every tensor that would live on the GPU and
-raises :class:`~megatron_klear.platform.DeviceMismatchError` where CUDA torch would refuse an
+raises :class:`~megatron_klear.virtual_cuda.DeviceMismatchError` where CUDA torch would refuse an
 op (CUDA and CPU tensors mixed, a collective on a CPU tensor). One launch at TP2 with sequence
 parallel, full recompute and the distributed optimizer runs an SFT step, the RL old-log-prob
 pass and an RL step, a checkpoint save and an HF export; then two planted misplacements (a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.platform import STRICT_ENV
+from megatron_klear.virtual_cuda import STRICT_ENV
 from tests.dist import run_distributed
 
 VOCAB = 103
@@ -56,7 +56,7 @@ def _engine(**changes):
 
 
 def _caught(step) -> str | None:
-    from megatron_klear.platform import DeviceMismatchError
+    from megatron_klear.virtual_cuda import DeviceMismatchError
 
     try:
         step()
@@ -69,7 +69,7 @@ def _gpu_path(rank, world, tmp):
     from megatron_klear import platform
     from megatron_klear.models import qwen3
     from megatron_klear.train import engine as engine_mod
-    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     assert platform.device().type == "cuda"
@@ -79,7 +79,8 @@ def _gpu_path(rank, world, tmp):
     total = float(sum(mb["loss_mask"].sum() for mb in mbs))
     sft = eng.train_step(mbs, sft_loss_fn(VOCAB, total, "torch"))
     old_logprobs(eng, mbs, VOCAB, 1.0)
-    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg, VOCAB, total, total))
+    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg.part(PolicyLossFlags), VOCAB, total, total,
+                                            backend=eng.cfg.loss_backend))
     eng.save(2, {})
     eng.export_hf(f"{tmp}/hf")
     result = {"params_on_cuda": on_cuda, "sft_loss": sft["loss"], "rl_loss": rl["train/loss"],
@@ -116,7 +117,7 @@ def _padded_sp_step(eng) -> dict:
 
     from megatron_klear.data.microbatches import rollout_microbatches
     from megatron_klear.train.rl import train_on_batch
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
     from tests.virtual_cuda import caught
 
     batch = RolloutBatch(group_size=2, prompt_ids=[[5, 6, 7]] * 2 + [[8, 9]] * 2,
@@ -125,7 +126,8 @@ def _padded_sp_step(eng) -> dict:
                          prompt_index=[0, 0, 1, 1], advantages=[1.0, -1.0, -1.0, 1.0])
     batch.rollout_logprobs = [[-0.5] * len(r) for r in batch.response_ids]
     cfg = replace(eng.cfg, pack_sequences=False)
-    length = rollout_microbatches(batch, range(len(batch)), cfg, 0)[0]["tokens"].shape[1]
+    length = rollout_microbatches(batch, range(len(batch)), cfg.micro_batch_layout(),
+                                  0)[0]["tokens"].shape[1]
     return {"length": length, "error": caught(lambda: train_on_batch(eng, cfg, batch, 0))}
 
 
@@ -137,7 +139,7 @@ def _moe_ep2_path(tmp: str) -> dict:
     from megatron_klear.distributed import initialize_parallel
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     cfg = RLConfig(**{**FLAGS, "tensor_model_parallel_size": 1, "sequence_parallel": False,
@@ -148,7 +150,8 @@ def _moe_ep2_path(tmp: str) -> dict:
     total = float(sum(mb["loss_mask"].sum() for mb in mbs))
     sft = eng.train_step(mbs, sft_loss_fn(VOCAB, total, "torch"))
     old_logprobs(eng, mbs, VOCAB, 1.0)
-    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg, VOCAB, total, total))
+    rl = eng.train_step(mbs, policy_loss_fn(eng.cfg.part(PolicyLossFlags), VOCAB, total, total,
+                                            backend=eng.cfg.loss_backend))
     eng.export_hf(f"{tmp}/moe_hf")
     return {"sft_loss": sft["loss"], "rl_loss": rl["train/loss"]}
 

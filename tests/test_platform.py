@@ -59,7 +59,7 @@ def test_without_setup_cuda_is_not_redirected():
 
 STRICT = textwrap.dedent("""
     import os, torch, torch.distributed as dist
-    from megatron_klear import platform
+    from megatron_klear import platform, virtual_cuda
     plat = platform.setup()
     assert plat.device.type == 'cuda' and plat.emulated
     a, b = torch.ones(3, device='cuda'), torch.ones(3)
@@ -72,7 +72,7 @@ STRICT = textwrap.dedent("""
     w(x).sum().backward(); assert w.weight.grad.is_cuda and x.grad.is_cuda   # backward too
     def raises(fn):
         try: fn()
-        except platform.DeviceMismatchError: return True
+        except virtual_cuda.DeviceMismatchError: return True
         return False
     assert raises(lambda: a + b) and raises(lambda: torch.nn.Linear(3, 2)(x))
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(__import__('tests.dist').dist.free_port()))

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_klear.algo.losses import global_token_count, sft_loss
+from megatron_klear.ops.loss_math import global_token_count, sft_loss
 from megatron_klear.ops import vocab_parallel_policy_loss
 from tests.dist import run_distributed
 

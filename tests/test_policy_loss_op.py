@@ -7,7 +7,7 @@ hand-computed values for the GPPO / PPO / CISPO tables (dual clip, ERC) through 
 import pytest
 import torch
 
-from megatron_klear.ops import policy_loss as op_module
+from megatron_klear.ops import vocab_parallel as op_module
 from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
 from tests.cuda_emu import backend_for
 from tests.policy_loss_cases import (FUSED, HAND_SETTINGS, assert_match, hand_table,
@@ -153,7 +153,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
 @pytest.mark.parametrize("device,backend", FUSED)
 def test_python_registered_loss_runs_on_fused_logprobs(device, backend):
     """A loss registered only in Python uses the kernels' log-probs and torch per-token math."""
-    from megatron_klear.algo.losses import POLICY_LOSSES, gppo_loss, register_policy_loss
+    from megatron_klear.ops.loss_math import POLICY_LOSSES, gppo_loss, register_policy_loss
 
     register_policy_loss("gppo_python_copy")(gppo_loss)
     try:

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from megatron_klear.models.tiny import save_tiny_hf_model
-from megatron_klear.rollout import qwen3_decode
+from megatron_klear.rollout.engine import qwen3_decode
 from megatron_klear import platform
-from megatron_klear.rollout.qwen3_decode import FusedWeights, KVCache, check_supported, forward
+from megatron_klear.rollout.engine.qwen3_decode import (FusedWeights, KVCache, check_supported,
+                                                        forward)
 
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [40, 2], [8, 8, 19, 60, 11]]
 DECODE_STEPS = 12

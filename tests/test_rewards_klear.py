@@ -71,7 +71,7 @@ def test_sft_positives_are_the_rewards_maximum_whatever_the_scale():
     """rl.py's positive flag: reward == the reward's max_score (1 for +-1 rewards; a custom
     reward scored out of 5 marks only its 5s), not 'reward >= 1'."""
     from megatron_klear.data.microbatches import sample_fields
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     b = RolloutBatch(group_size=4, max_score=5.0, prompt_ids=[[1, 2]] * 4,
                      response_ids=[[3, 4]] * 4, rollout_logprobs=[[0.0, 0.0]] * 4,

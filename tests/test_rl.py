@@ -45,7 +45,7 @@ def _hand_step(rank, world, hf_dir):
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
     from megatron_klear.data.microbatches import pad_microbatches
-    from megatron_klear.algo.rl_loss import policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, policy_loss_fn
 
     batch = _fixed_batch()
     # advantages by hand: group (1, 0.5): mean .75, unbiased std .3536 -> +-0.7071
@@ -95,11 +95,13 @@ def _hand_step(rank, world, hf_dir):
         clip_low += int((low & (mask > 0)).sum())
         clip_high += int((high & (mask > 0)).sum())
     assert clip_low > 0 and clip_high > 0
-    stored = engine.forward_only(mbs, policy_loss_fn(cfg, arch.vocab_size, n_tok, n_pos))
+    stored = engine.forward_only(mbs, policy_loss_fn(cfg.part(PolicyLossFlags), arch.vocab_size,
+                                                     n_tok, n_pos, backend=cfg.loss_backend))
     cfg_corr = replace(cfg, rollout_correction="mis", rollout_correction_level="sequence",
                        rollout_correction_lower=0.5, entropy_ratio_clip=0.05)
-    stored_corr = engine.forward_only(mbs, policy_loss_fn(cfg_corr, arch.vocab_size, n_tok,
-                                                          n_pos))
+    stored_corr = engine.forward_only(mbs, policy_loss_fn(cfg_corr.part(PolicyLossFlags),
+                                                          arch.vocab_size, n_tok, n_pos,
+                                                          backend=cfg.loss_backend))
     if not stored:
         return None
     got = {k: sum(float(m[k]) for m in stored) for k in stored[0]}
@@ -149,7 +151,7 @@ def test_loss_and_clip_fractions_match_hand_computation(hf_model, request, tp):
 def _long_tail_batch(n_groups=4, group=2):
     """Rollout samples of very different lengths (prompts 3-9, responses 1-30 tokens)."""
     from megatron_klear.algo.advantages import group_advantages
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     g = torch.Generator().manual_seed(5)
     b = RolloutBatch(group_size=group)
@@ -182,7 +184,7 @@ def _budget_vs_padded(rank, world, hf_dir):
     from megatron_klear.distributed import initialize_parallel
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, old_logprobs, policy_loss_fn
     from megatron_klear.data.microbatches import rollout_microbatches
 
     batch = _long_tail_batch()
@@ -201,13 +203,14 @@ def _budget_vs_padded(rank, world, hf_dir):
         load_hf_weights(engine.model, arch, SafetensorsReader(hf_dir))
 
         def step(run_cfg, precompute_old):
-            mbs = rollout_microbatches(batch, rows, run_cfg, pad_id=0)
+            mbs = rollout_microbatches(batch, rows, run_cfg.micro_batch_layout(), pad_id=0)
             if precompute_old:
                 old_logprobs(engine, mbs, arch.vocab_size, run_cfg.rollout_temperature)
             for p in engine.model[0].parameters():
                 p.grad = None
-            stored = engine.forward_backward(mbs, policy_loss_fn(run_cfg, arch.vocab_size,
-                                                                 n_tok, n_pos))
+            stored = engine.forward_backward(mbs, policy_loss_fn(
+                run_cfg.part(PolicyLossFlags), arch.vocab_size, n_tok, n_pos,
+                temperature=run_cfg.rollout_temperature, backend=run_cfg.loss_backend))
             grads = {n: p.grad.clone() for n, p in engine.model[0].named_parameters()}
             loss = sum(float(m["train/loss"]) for m in stored) if stored else None
             return mbs, loss, grads
@@ -275,10 +278,10 @@ def _rl_args(hf, data, save, iters, *extra):
 
 
 def _rl_train(rank, world, argv):
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
-    return train(parse_config(RLConfig, argv))
+    return train(load_config(RLConfig, argv))
 
 
 # pp2 runs Klear's recipe flags (docs/recipe.md): 8 prompts generated for 4, one round, the
@@ -332,7 +335,7 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     """SIGKILL mid-run, resume: the same losses, rewards and prompts as an uninterrupted run.
     Both probe every 3 steps (--probe-interval 3): after step 1 (the run's first sync), step
     3, and the resumed run's first step, which a probe must not change."""
-    from megatron_klear.rollout.probe import PROBE_METRIC
+    from megatron_klear.rollout.transport.probe import PROBE_METRIC
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
@@ -460,7 +463,7 @@ def test_tools_with_a_raw_prompt_template_refused_at_parse_time():
     """--tools renders calls and responses through the chat template: klear-rl refuses
     --prompt-template raw with it when the flags are parsed, with klear-eval's message."""
     from megatron_klear.config import ConfigError, parse_config
-    from megatron_klear.rollout.tool_flags import RAW_WITH_TOOLS
+    from megatron_klear.rollout.orchestration.tool_flags import RAW_WITH_TOOLS
     from megatron_klear.train.rl import RLConfig
 
     base = ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", "--tools", "python"]
@@ -515,7 +518,7 @@ def hostile_every_turn(text: str):
     writes no calls, so every turn makes one, picked by the turn's length: a program for
     the real python tool (printing that length), malformed JSON, or an unknown tool (hostile
     calls, answered as errors while the run goes on)."""
-    from megatron_klear.rollout.tool_calls import parse_hermes
+    from megatron_klear.rollout.orchestration.tool_calls import parse_hermes
 
     body = [f'{{"name": "python", "arguments": {{"code": "print({len(text)})"}}}}',
             '{"name": "python", "arguments": ', '{"name": "rm_rf", "arguments": {}}'][

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.ops import policy_loss
+from megatron_klear.ops import vocab_parallel
 from megatron_klear.ops.rms_norm import rms_norm
 from tests.cpu_kernel_copies import check_every_lower_copy
 
@@ -31,7 +31,7 @@ def check_against_torch() -> None:
 
 
 def test_fused_rms_norm_matches_torch():
-    if policy_loss._extension_ops() is None:
+    if vocab_parallel._extension_ops() is None:
         pytest.fail("the C++ extension is not built (python setup.py build_ext --inplace)")
     check_against_torch()
 

@@ -98,7 +98,7 @@ def test_huge_sequence_ratio_stays_finite():
 
 
 def _rl_batch():
-    from megatron_klear.train.rl_data import RolloutBatch
+    from megatron_klear.samples import RolloutBatch
 
     b = RolloutBatch(group_size=2)
     g = torch.Generator().manual_seed(3)
@@ -114,19 +114,19 @@ def _rl_batch():
 
 
 def test_trainer_layouts_give_each_sequence_its_weight():
-    """The trainer's sequence ids (algo/rl_loss.sequence_ids) in THD packs and padded
+    """The trainer's sequence ids (algo/rl_objective.sequence_ids) in THD packs and padded
     micro-batches: the per-sequence geometric / sequence weights come out the same, sequence
     by sequence."""
     from megatron_klear.train.rl import RLConfig
     from megatron_klear.data.microbatches import pack_microbatches, pad_microbatches
-    from megatron_klear.algo.rl_loss import sequence_ids
+    from megatron_klear.algo.rl_objective import sequence_ids
 
     batch = _rl_batch()
     shift = [0.3, -0.4, 0.05, 1.2]            # old - rollout, the same on every token of sample i
     cfg = RLConfig(hf_checkpoint="x", prompt_data="x", micro_batch_size=2, mini_batch_size=2,
                    rollout_batch_size=2, n_samples_per_prompt=2, max_tokens_per_gpu=14)
     seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
-    layouts = {"packed": pack_microbatches(batch, range(4), cfg, 0),
+    layouts = {"packed": pack_microbatches(batch, range(4), cfg.micro_batch_layout(), 0),
                "padded": pad_microbatches(batch, range(4), 2, 0, seq_len)}
     assert len(layouts["packed"]) > 1 and any(mb["segment_ids"].max() > 0
                                               for mb in layouts["packed"])

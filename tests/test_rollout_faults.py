@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from megatron_klear.distributed import free_port
-from megatron_klear.rollout.client import RolloutClient, RolloutError, SamplingParams
-from megatron_klear.rollout.launcher import (LaunchError, launch_embedded_servers,
-                                             launch_sglang_servers, sglang_server_command)
+from megatron_klear.rollout.orchestration.client import RolloutClient, RolloutError, SamplingParams
+from megatron_klear.rollout.engine.launcher import (LaunchError, launch_embedded_servers,
+                                                    launch_sglang_servers, sglang_server_command)
 from megatron_klear.train.metrics import read_metrics
 from tests.rollout_helpers import cmdline, make_tiny_model
 
@@ -90,7 +90,7 @@ def test_servers_die_with_crashed_parent(model_dir, tmp_path):
     """A parent killed by SIGKILL (no atexit) takes its servers down too."""
     script = textwrap.dedent(f"""
         import sys, time
-        from megatron_klear.rollout.launcher import launch_embedded_servers
+        from megatron_klear.rollout.engine.launcher import launch_embedded_servers
         s = launch_embedded_servers({str(model_dir)!r}, 1)
         print(s.urls[0], flush=True)
         time.sleep(600)
@@ -175,7 +175,7 @@ def _running(p: psutil.Process) -> bool:
 
 def _servers_of(proc: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "megatron_klear.rollout.server" in cmdline(p)]
+            if "megatron_klear.rollout.engine.server" in cmdline(p)]
 
 
 def _url_of(server: psutil.Process) -> str:
@@ -224,7 +224,7 @@ def test_no_server_left_fails_clearly_resumes_and_sigkill_leaves_no_orphans(
     _wait_steps(proc, metrics, 2)
     # verifier workers, the server, and the multiprocessing Manager megatron's checkpoint writer
     # keeps (started by step 2's save, which follows step 2's metrics line)
-    wanted = ("megatron_klear.rewards.math", "megatron_klear.rollout.server",
+    wanted = ("megatron_klear.rewards.math", "megatron_klear.rollout.engine.server",
               "multiprocessing.spawn")
     deadline = time.monotonic() + 120
     while True:

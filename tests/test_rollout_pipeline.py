@@ -1,4 +1,4 @@
-"""The rollout pipeline's stages (rollout/pipeline.py) and collect_batch's rounds over them,
+"""The rollout pipeline's stages (rollout/orchestration/pipeline.py) and collect_batch's rounds over them,
 against hand-computed values: GRPO advantages over Sample records, a user filter loaded by
 import path, the order of the filters, and the refusals of broken stages and specs."""
 
@@ -7,10 +7,11 @@ import math
 import pytest
 
 from megatron_klear.data.prompts import PromptSample
-from megatron_klear.rollout.client import SamplingParams
-from megatron_klear.rollout.pipeline import RolloutContext, RolloutPipeline, Sample, \
+from megatron_klear.rollout.orchestration.client import SamplingParams
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, RolloutPipeline, \
     build_pipeline, drop_flat_groups, drop_truncated, grpo_advantages
-from megatron_klear.train.rl_data import PromptStream, RolloutBatch, collect_batch
+from megatron_klear.samples import RolloutBatch, Sample
+from megatron_klear.train.rl_data import DynamicSamplingFlags, PromptStream, collect_batch
 from tests.test_overgeneration import ScriptedClient
 
 HERE = "tests.test_rollout_pipeline"
@@ -87,7 +88,7 @@ def _collect(script, stages=(), rounds=3):
     stream = PromptStream(prompts, 0)
     batch = collect_batch(ScriptedClient(tok, [[(t, "stop") for t in g] for g in script]), tok,
                           stream, 2, SamplingParams(n=2, max_new_tokens=8), f"{HERE}:has_four",
-                          max_rounds=rounds, stages=stages)
+                          DynamicSamplingFlags(max_gen_rounds=rounds), stages=stages)
     rows = [order.index(i) for i in batch.prompt_index[::2]]   # script rows, in batch order
     return batch, rows, stream.consumed
 

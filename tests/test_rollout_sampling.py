@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from megatron_klear.rollout.sampling import (RequestError, SamplingParams, filter_top_k_top_p,
-                                             find_stop_string, sample_next, seeded_uniforms,
-                                             token_logprobs)
+from megatron_klear.rollout.engine.sampling import (filter_top_k_top_p, find_stop_string,
+                                                    sample_next, seeded_uniforms, token_logprobs)
+from megatron_klear.rollout.orchestration.request import RequestError, SamplingParams
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
 

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 import torch
 
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
-from megatron_klear.rollout.launcher import launch_embedded_servers
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 from tests.rollout_helpers import (load_reference, make_tiny_model, reference_greedy,
                                    reference_logprobs)
 
@@ -323,8 +323,8 @@ def test_retract_pause_reprefills_with_the_new_weights(model_dir, reference, tmp
     rest is sampled from the new weights over prompt + tokens so far (as SGLang re-prefills a
     retracted request); ``in_place`` keeps the old KV cache, so token 3 still comes from the
     logits the old weights computed."""
-    from megatron_klear.rollout.generator import Generator, Sequence
-    from megatron_klear.rollout.sampling import SamplingParams
+    from megatron_klear.rollout.engine.generator import Generator, Sequence
+    from megatron_klear.rollout.orchestration.request import SamplingParams
 
     old_ref, _ = reference
     new_ref, _ = load_reference(make_tiny_model(tmp_path / "new", seed=1))
@@ -367,7 +367,7 @@ def test_finished_rows_leave_the_batch_and_change_nothing(model_dir, reference, 
     the server's stream, which still advances by one draw per request), and its logprobs are
     the independent transformers forward's. Not bit-identical on every shape: a GEMM over
     fewer rows may round differently (<= 4.3e-6 measured here)."""
-    from megatron_klear.rollout import generator as gen_mod
+    from megatron_klear.rollout.engine import generator as gen_mod
 
     model, tok = reference
     gen = gen_mod.Generator(model_dir)
@@ -411,7 +411,7 @@ def test_compaction_keeps_few_row_counts():
     """A batch drops finished rows once a quarter finished (COMPACT_AT), to the unfinished
     ones; from ONEDNN_MIN_ROWS rows on it keeps a multiple of ROW_QUANTUM (finished rows
     fill up), so oneDNN sees few row counts."""
-    from megatron_klear.rollout.generator import ROW_QUANTUM, Sequence, _compaction
+    from megatron_klear.rollout.engine.generator import ROW_QUANTUM, Sequence, _compaction
 
     def batch(size: int, unfinished: list[int]) -> list:
         seqs = [Sequence([1], SamplingParams()) for _ in range(size)]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.rollout.client import RolloutClient, RoutedExpertsMissing, SamplingParams
-from megatron_klear.rollout.launcher import launch_embedded_servers
+from megatron_klear.rollout.orchestration.client import (RolloutClient, RoutedExpertsMissing,
+                                                         SamplingParams)
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 from tests.dist import run_distributed
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
@@ -111,10 +112,10 @@ def test_trainer_replays_rollout_routing_at_pp2(rollout):
 
 
 def _rl(rank, world, argv):
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
-    return train(parse_config(RLConfig, argv))
+    return train(load_config(RLConfig, argv))
 
 
 def test_rl_step_with_routing_replay(rollout, tmp_path):

@@ -32,10 +32,10 @@ def _args(hf, data, save, iters, *extra):
 
 
 def _train(rank, world, argv):
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.sft import SFTConfig, train
 
-    return [m["loss"] for m in train(parse_config(SFTConfig, argv))]
+    return [m["loss"] for m in train(load_config(SFTConfig, argv))]
 
 
 def test_tp2_learns_and_resumes_at_pp2(setup):

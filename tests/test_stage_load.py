@@ -32,11 +32,11 @@ def _rl_args(hf, data, save, iters, *extra):
 
 def _run(train, cfg_cls, argv):
     """Run a trainer in this process; (its per-step metrics, what it wrote to stderr)."""
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        hist = train(parse_config(cfg_cls, argv))
+        hist = train(load_config(cfg_cls, argv))
     return hist, err.getvalue()
 
 
@@ -51,6 +51,7 @@ def _restore(cfg_cls, argv):
     from megatron_klear.train.engine import build_engine, restore_or_init
 
     cfg = parse_config(cfg_cls, argv)
+    cfg.derive()  # preflight's, without the model
     engine = build_engine(cfg, qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint)))
     torch.manual_seed(99)  # an RNG state that differs from every checkpoint's
     err = io.StringIO()

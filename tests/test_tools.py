@@ -1,4 +1,4 @@
-"""Tool calls and tools of multi-turn rollouts (rollout/tool_calls.py, rollout/tools.py):
+"""Tool calls and tools of multi-turn rollouts (rollout/orchestration/tool_calls.py, rollout/orchestration/tools.py):
 Qwen3 / Hermes calls parsed from the model's text, badly written calls turned into errors
 for the model, user tools and parsers by import path, and hostile calls (a tool that raises
 or hangs, a fork bomb, an infinite loop, a huge print in the Python tool) contained."""
@@ -10,9 +10,10 @@ import psutil
 import pytest
 
 from megatron_klear.rewards.sandbox import SandboxLimits
-from megatron_klear.rollout.tool_calls import ParsedTurn, ToolCall, get_tool_parser, \
+from megatron_klear.rollout.orchestration.tool_calls import ParsedTurn, ToolCall, get_tool_parser, \
     parse_hermes
-from megatron_klear.rollout.tools import Tool, load_tool, python_tool, run_tool_call, tool
+from megatron_klear.rollout.orchestration.tools import (Tool, load_tool, python_tool,
+                                                        run_tool_call, tool)
 
 HERE = "tests.test_tools"
 

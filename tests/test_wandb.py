@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 
 from megatron_klear.config import ConfigError, parse_config
+from megatron_klear.train.main import load_config
 from megatron_klear.train.metrics import read_metrics
 from tests.dist import run_distributed
 
@@ -61,7 +62,7 @@ def wandb_history(run_dir: Path) -> dict[int, dict[str, float]]:
 def _sft(rank, world, argv):
     from megatron_klear.train.sft import SFTConfig, train
 
-    train(parse_config(SFTConfig, argv))
+    train(load_config(SFTConfig, argv))
 
 
 def test_offline_run_matches_metrics_and_resume_continues_it(tmp_path):

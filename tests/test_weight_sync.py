@@ -13,12 +13,12 @@ import aiohttp
 import pytest
 import torch
 
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
 from megatron_klear.distributed import free_port
-from megatron_klear.rollout.launcher import launch_embedded_servers
-from megatron_klear.rollout.update_group import open_update_group
-from megatron_klear.rollout.weight_sync import (aligned_order, iter_buckets, plan_bucket,
-                                                rank_layout)
+from megatron_klear.rollout.engine.launcher import launch_embedded_servers
+from megatron_klear.rollout.transport.update_group import open_update_group
+from megatron_klear.rollout.transport.weight_sync import (aligned_order, iter_buckets, plan_bucket,
+                                                          rank_layout)
 from tests.dist import run_distributed
 from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
 
@@ -112,8 +112,8 @@ def _sync_and_probe(rank: int, world: int, url: str, model_dir: str, tp: int, pp
     ``dist_opt``: the recipes' layout, every adjacent run sent from parameter memory."""
     from megatron.core import parallel_state as ps
 
-    from megatron_klear.rollout.weight_sync import WeightSync
-    from megatron_klear.rollout.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
+    from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
 
     model, arch = _build(model_dir, tp, pp, seed=1000 + 10 * tp + pp, dist_opt=dist_opt)
     sync = WeightSync([url], [model], arch, bucket_bytes=32 * 1024, load_format=load_format,
@@ -281,8 +281,8 @@ def _faults(rank: int, world: int, model_dir: str, urls: list[str], log_dir: str
     import os
     import signal
 
-    from megatron_klear.rollout.weight_sync import WeightSync, WeightSyncError
-    from megatron_klear.rollout.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.transport.weight_sync import WeightSync, WeightSyncError
+    from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
 
     model, arch = _build(model_dir, 1, 1, seed=7)
 
@@ -350,7 +350,7 @@ def test_sync_failure_resumes_servers_and_restarted_server_rejoins(model_dir, tm
 def test_embedded_server_receives_flat_buckets_without_copies(model_dir):
     """Parameters become views of the received bucket; the next bucket goes into the other
     pooled buffer (never the one backing the live parameters); the third reuses the first."""
-    from megatron_klear.rollout.generator import Generator
+    from megatron_klear.rollout.engine.generator import Generator
 
     gen = Generator(model_dir)
     names = ["model.norm.weight", "model.layers.0.self_attn.k_proj.weight"]
@@ -388,7 +388,7 @@ def test_packer_thread_runs_at_lowest_cpu_priority():
     import os
     import threading
 
-    from megatron_klear.rollout.weight_sync import lowest_cpu_priority
+    from megatron_klear.rollout.transport.weight_sync import lowest_cpu_priority
 
     def niceness() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -403,7 +403,7 @@ def test_update_backend_follows_the_servers_devices(monkeypatch):
     """NCCL only from a GPU trainer to GPU servers (NCCL moves CUDA tensors only); a CPU
     server anywhere (the embedded one reports device cpu in /server_info) means gloo."""
     from megatron_klear import platform
-    from megatron_klear.rollout.weight_sync import update_backend
+    from megatron_klear.rollout.transport.weight_sync import update_backend
 
     assert update_backend(["cuda"]) == "gloo"  # this CPU trainer
     monkeypatch.setattr(platform, "device", lambda: torch.device("cuda", 0))
@@ -415,7 +415,7 @@ def test_update_backend_follows_the_servers_devices(monkeypatch):
 def test_each_pipeline_stage_hosts_its_group_on_its_own_node():
     """--weight-sync-master-addr names one node; with PP > 1 a stage on another node (whose
     address it cannot bind) hosts its group at its own address on the route to the servers."""
-    from megatron_klear.rollout.weight_sync import stage_master_addr
+    from megatron_klear.rollout.transport.weight_sync import stage_master_addr
 
     url = "http://127.0.0.1:30000"
     other_node = "10.255.255.1"  # not an address of this machine

@@ -1,5 +1,5 @@
 """Reusable pieces of the strict virtual-CUDA tests (``KLEAR_STRICT_DEVICES=1``, see
-megatron_klear/platform.py): launching ranks in that mode, the CUDA loss kernels on the
+megatron_klear/virtual_cuda.py): launching ranks in that mode, the CUDA loss kernels on the
 virtual device, and megatron's CPU-offloading optimizer really offloading.
 
 * :func:`run_strict` runs ``fn`` on gloo ranks whose platform plays a CUDA device: every tensor
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from megatron_klear import platform
-from megatron_klear.platform import STRICT_ENV
+from megatron_klear.virtual_cuda import STRICT_ENV
 from tests.dist import run_distributed
 
 
@@ -93,7 +93,7 @@ class VirtualCudaOps:
 @contextlib.contextmanager
 def virtual_cuda_kernels() -> Iterator[VirtualCudaOps]:
     """Within the block the extension 'has' its CUDA kernels: :class:`VirtualCudaOps`."""
-    from megatron_klear.ops import policy_loss as op_module
+    from megatron_klear.ops import vocab_parallel as op_module
 
     ops = VirtualCudaOps()
     saved = op_module._extension_ops, op_module._extension_has_cuda

@@ -67,7 +67,7 @@ def sampled_responses(samples: list, args: argparse.Namespace) -> list[list[str]
     """k responses per problem from the rollout servers (imported only in this mode)."""
     from transformers import AutoTokenizer
 
-    from megatron_klear.rollout.client import RolloutClient, SamplingParams
+    from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
 
     if args.tokenizer is None:
         raise DataError("rollout mode needs --tokenizer (to apply the chat template)")

@@ -10,7 +10,7 @@
 #     loaded before torchvision by a .pth hook. Each names the real part it stands in for.
 # Serve with SGLANG_USE_CPU_ENGINE=1 and --device cpu --attention-backend torch_native
 # --disable-cuda-graph --disable-overlap-schedule --max-total-tokens 8192 --sleep-on-idle
-# (megatron_klear/rollout/launcher.py: SGLANG_CPU_ARGS). About 70 s and 90 MB to install.
+# (megatron_klear/rollout/engine/launcher.py: SGLANG_CPU_ARGS). About 70 s and 90 MB to install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

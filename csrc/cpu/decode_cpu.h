@@ -1,4 +1,4 @@
-// The embedded rollout server's decode kernels (megatron_klear/rollout/qwen3_decode.py), where
+// The embedded rollout server's decode kernels (megatron_klear/rollout/engine/qwen3_decode.py), where
 // a tiny model's step is per-op overhead in torch.
 //
 // rms_norm (rms_norm_cpu.h): Qwen3RMSNorm of each row (fp32).

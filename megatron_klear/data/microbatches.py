@@ -11,7 +11,8 @@ The packing itself (bins, THD layout) is :mod:`megatron_klear.data.packing`.
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -20,28 +21,15 @@ from megatron_klear.config import ConfigError
 from megatron_klear.data.packing import balance, build_packed_batch, pack_bins, \
     run_positions, thd_pack
 from megatron_klear.data.sft import SFTSample
+from megatron_klear.samples import RolloutBatch
 
 FIELDS = ("loss_mask", "advantages", "positive", "rollout_logprobs")  # per-label loss inputs
 
 
-class RolloutRows(Protocol):
-    """What micro-batches read of a rollout batch (train/rl_data.py's ``RolloutBatch``)."""
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    rollout_logprobs: list[list[float]]
-    rewards: list[float]
-    advantages: list[float]
-    routed_experts: list
-    max_score: float
-
-    def is_kept(self, i: int) -> bool: ...
-
-    def response_mask(self, i: int) -> list[int] | None: ...
-
-
-class MicroBatchLayout(Protocol):
-    """The flags that shape RL micro-batches (train/rl_config.py's ``RLConfig``)."""
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """What shapes RL micro-batches, gathered from several config sections in one place
+    (``RLConfig.micro_batch_layout()``, train/rl_config.py)."""
 
     pack_sequences: bool
     share_prompts: bool | None
@@ -54,13 +42,13 @@ class MicroBatchLayout(Protocol):
     sequence_parallel: bool
 
 
-def is_positive(batch: RolloutRows, i: int) -> bool:
+def is_positive(batch: RolloutBatch, i: int) -> bool:
     """Sample ``i`` scored the reward's maximum (the SFT term's positives, whatever the scale:
     1 for the 0/1 and the +-1 rewards)."""
     return batch.is_kept(i) and batch.rewards[i] >= batch.max_score
 
 
-def sample_fields(batch: RolloutRows, i: int) -> tuple[list[int], dict[str, list[float]]]:
+def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, list[float]]]:
     """Sample ``i`` as one sequence (prompt + response) and its per-label loss inputs.
 
     labels[t] is token t+1; loss_mask marks the trained response tokens (all of them, or
@@ -80,7 +68,7 @@ def sample_fields(batch: RolloutRows, i: int) -> tuple[list[int], dict[str, list
     return p + resp, fields
 
 
-def pad_microbatches(batch: RolloutRows, rows: Sequence[int], micro: int, pad_id: int,
+def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_id: int,
                      seq_len: int) -> list[dict]:
     """Micro-batches of ``micro`` whole sequences right-padded to ``seq_len`` next-token
     positions (``--no-pack-sequences``: the padded reference layout)."""
@@ -106,7 +94,7 @@ def pad_microbatches(batch: RolloutRows, rows: Sequence[int], micro: int, pad_id
     return out
 
 
-def pack_microbatches(batch: RolloutRows, rows: Sequence[int], cfg: MicroBatchLayout,
+def pack_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: MicroBatchLayout,
                       pad_id: int) -> list[dict]:
     """THD micro-batches of ``rows`` without padding: first-fit-decreasing packs under the
     token budget (:func:`token_budget`; with ``--share-prompts``, of prompt units, each prompt
@@ -142,7 +130,7 @@ def token_budget(cfg: MicroBatchLayout) -> int:
     return tokens - tokens % cfg.tensor_model_parallel_size
 
 
-def prompt_units(batch: RolloutRows, rows: Sequence[int], cfg: MicroBatchLayout
+def prompt_units(batch: RolloutBatch, rows: Sequence[int], cfg: MicroBatchLayout
                  ) -> list[list[int]]:
     """``rows`` in the pieces that train together: with ``--share-prompts`` the runs of rows
     of one prompt (split where the run's pack would exceed the token budget), else each row
@@ -159,7 +147,7 @@ def prompt_units(batch: RolloutRows, rows: Sequence[int], cfg: MicroBatchLayout
     return units
 
 
-def unit_positions(batch: RolloutRows, rows: Sequence[int], share: bool) -> int:
+def unit_positions(batch: RolloutBatch, rows: Sequence[int], share: bool) -> int:
     """Next-token positions of ``rows`` (a prompt unit: one prompt) in one pack, the prompt
     shared or not."""
     lengths = row_lengths(batch, rows)
@@ -177,7 +165,7 @@ def sequence_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
     return math.lcm(multiple, cp * tp) if sequence_parallel else multiple
 
 
-def rollout_microbatches(batch: RolloutRows, rows: Sequence[int], cfg: MicroBatchLayout,
+def rollout_microbatches(batch: RolloutBatch, rows: Sequence[int], cfg: MicroBatchLayout,
                          pad_id: int) -> list[dict]:
     """This DP rank's micro-batches of the mini-batch ``rows``, packed or padded."""
     if cfg.pack_sequences:
@@ -203,12 +191,12 @@ def dp_rows(rows: Sequence, lengths: Sequence[int]) -> list:
     return [row for row, o in zip(rows, owner) if o == r]
 
 
-def row_lengths(batch: RolloutRows, rows: Sequence[int]) -> list[int]:
+def row_lengths(batch: RolloutBatch, rows: Sequence[int]) -> list[int]:
     """Tokens (prompt + response) of each of ``rows``."""
     return [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in rows]
 
 
-def shape_routed_experts(batch: RolloutRows, num_layers: int, top_k: int) -> None:
+def shape_routed_experts(batch: RolloutBatch, num_layers: int, top_k: int) -> None:
     """The rollout's flat expert ids as [prompt + response - 1, layers, k] per sample (one row
     per label: the expert ids of the token it follows), checked against the sequence."""
     for i, flat in enumerate(batch.routed_experts):

@@ -31,6 +31,7 @@ import random
 from pathlib import Path
 
 from megatron_klear.data.records_io import write_records
+from megatron_klear.rewards.sandbox import PYTHON_SCHEMA
 
 
 def arithmetic_problem(rng: random.Random, wrong_answer_rate: float = 0.0
@@ -127,8 +128,6 @@ def write_tool_arithmetic_data(out_dir: str | Path, *, seed: int = 0, n_sft: int
     model cannot compute but the python tool can. sft.jsonl holds ``messages`` trajectories
     with the python tool's schema in ``tools`` (noisy tool use, :data:`TOOL_USES`); rl.jsonl and
     eval.jsonl prompt/answer, the eval pairs disjoint from the SFT and RL ones."""
-    from megatron_klear.rollout.tools import PYTHON_SCHEMA
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)

@@ -25,9 +25,10 @@ from megatron_klear.config import ConfigError, OneLineParser, TrainConfig, add_l
 from megatron_klear.data.prompt_flags import PromptFlags
 from megatron_klear.eval.evaluate import Benchmark, evaluate, parse_benchmark, rejudge, \
     write_report
-from megatron_klear.rollout.multi_turn import MultiTurnConfig
-from megatron_klear.rollout.sampling import SamplingParams
-from megatron_klear.rollout.tool_flags import RAW_WITH_TOOLS, ToolFlags, check_tools_chat_template
+from megatron_klear.rollout.orchestration.multi_turn import MultiTurnConfig
+from megatron_klear.rollout.orchestration.request import SamplingParams
+from megatron_klear.rollout.orchestration.tool_flags import (RAW_WITH_TOOLS, ToolFlags,
+                                                             check_tools_chat_template)
 
 # klear-eval's sampling flags on the one sampling contract's fields
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p",
@@ -135,8 +136,8 @@ def run(args: argparse.Namespace) -> dict:
     from megatron_klear.data.prompts import load_tokenizer, parse_chat_template_kwargs
 
     template_kwargs = parse_chat_template_kwargs(prompts.chat_template_kwargs)
-    from megatron_klear.rollout.client import RolloutClient
-    from megatron_klear.rollout.launcher import connect, embedded_server_layout, \
+    from megatron_klear.rollout.orchestration.client import RolloutClient
+    from megatron_klear.rollout.engine.launcher import connect, embedded_server_layout, \
         launch_embedded_servers
 
     out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ soon as its problem is done, so an interrupted run resumes without regenerating,
 report can be recomputed from the samples alone (re-judging).
 
 With tools (``multi_turn``, klear-eval ``--tools``) each sample is a multi-turn tool
-trajectory (rollout/multi_turn.py, the generate stage klear-rl trains on); the reward scores
+trajectory (rollout/orchestration/multi_turn.py, the generate stage klear-rl trains on); the reward scores
 its final answer, the record keeps the conversation after the prompt and the turn counts, and
 the report adds the per-sample means of calls, tool errors and turn-limit hits.
 """
@@ -27,9 +27,9 @@ from megatron_klear.data.prompts import load_prompt_dataset, render_prompt
 from megatron_klear.data.records_io import write_text
 from megatron_klear.rewards import score_batch
 from megatron_klear.rewards.metrics import pass_at_k
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
-from megatron_klear.rollout.multi_turn import MultiTurnConfig, generate_tool_turns
-from megatron_klear.rollout.pipeline import RolloutContext
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.orchestration.multi_turn import MultiTurnConfig, generate_tool_turns
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext
 
 
 @dataclass

@@ -22,7 +22,7 @@ CHAT_TEMPLATE = (
 # character is a token): the tools go into a system turn as `name: parameters` (Qwen3 lists
 # each schema's JSON), an assistant message's tool_calls follow its content as
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the hermes parser's format,
-# rollout/tool_calls.py), and role `tool` messages become user turns of <tool_response> blocks.
+# rollout/orchestration/tool_calls.py), and role `tool` messages become user turns of <tool_response> blocks.
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}"
     "{% set f = t.function if t.function else t %}{{ '; ' if not loop.first }}{{ f.name }}: "

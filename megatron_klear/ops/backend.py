@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megatron_klear import platform
 from megatron_klear.config import ConfigError
-from megatron_klear.ops.policy_loss import available_backends
+from megatron_klear.ops.vocab_parallel import available_backends
 
 __all__ = ["loss_backend"]
 

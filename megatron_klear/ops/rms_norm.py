@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_klear.ops import policy_loss
+from megatron_klear.ops import vocab_parallel
 
 __all__ = ["rms_norm"]
 
@@ -25,12 +25,12 @@ class _FusedRMSNorm(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(rows, weight)
         ctx.eps = eps
-        return policy_loss._extension_ops().rms_norm(rows, weight, eps).view(x.shape)
+        return vocab_parallel._extension_ops().rms_norm(rows, weight, eps).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         rows, weight = ctx.saved_tensors
-        dx, dw = policy_loss._extension_ops().rms_norm_backward(
+        dx, dw = vocab_parallel._extension_ops().rms_norm_backward(
             dy.reshape(rows.shape).contiguous(), rows, weight, ctx.eps)
         return dx.view(dy.shape), dw, None
 
@@ -38,7 +38,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of ``x`` over its last dimension, scaled by ``weight``: the fused kernels for
     fp32 CPU tensors, torch's ``F.rms_norm`` otherwise."""
-    ops = policy_loss._extension_ops() if (
+    ops = vocab_parallel._extension_ops() if (
         x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
         and weight.device.type == "cpu" and x.stride(-1) == 1) else None
     if ops is None:

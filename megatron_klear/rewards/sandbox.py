@@ -28,6 +28,15 @@ from typing import Iterable, Mapping
 
 from megatron_klear.rewards.sandbox_launcher import SETUP_FAILED
 
+
+# the OpenAI tool schema of a program run here: the python tool's (rollout/orchestration/
+# tools.py), and the one the synthetic tool data (data/synthetic.py) writes into records
+PYTHON_SCHEMA = {"type": "function", "function": {
+    "name": "python",
+    "description": "Run a Python program and see what it prints (stdout, then stderr).",
+    "parameters": {"type": "object", "properties": {"code": {
+        "type": "string", "description": "the program"}}, "required": ["code"]}}}
+
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_launcher.py")
 RESULT_FILE = "klear_result.json"
 UID_BASE, UID_SPAN = 1 << 20, 1 << 20  # per-run uids, far above any real account

@@ -1,0 +1,1 @@
+"""Rollout: orchestration (requests, pipeline, tools) <- weight transport <- embedded engine."""

@@ -25,7 +25,8 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_klear.train.rl_data import PromptStream, RolloutBatch
+from megatron_klear.samples import RolloutBatch
+from megatron_klear.train.rl_data import PromptStream
 
 
 @dataclass

@@ -142,7 +142,7 @@ class Colocation:
         """Steps 4 (probe log-probs) to 8 after a training step (or at the start of the run,
         with nothing released): sync the weights by handle with the trainer offloaded around
         them; the probe's max |engine - trainer| log-prob as in the separate mode."""
-        from megatron_klear.rollout.probe import probe_asker, probe_computes, probe_ids, \
+        from megatron_klear.rollout.transport.probe import probe_asker, probe_computes, probe_ids, \
             probe_metrics, trainer_sequence_logprobs
 
         metrics: dict[str, float] = {}

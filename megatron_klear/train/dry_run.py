@@ -43,9 +43,9 @@ def launch_world_size(cfg: TrainConfig, dry: bool) -> int:
 
 def model_arch(cfg: TrainConfig, required: bool) -> Qwen3Arch | None:
     """``--hf-checkpoint``'s architecture, checked against the parallel layout; None when
-    not ``required`` (a dry run) and its config.json is not on this machine."""
-    if not required and not (cfg.hf_checkpoint and
-                             (Path(cfg.hf_checkpoint) / "config.json").is_file()):
+    not ``required`` (a dry run) and the model folder is not on this machine (a folder that
+    is here must hold a config.json, in the dry run as in a real run)."""
+    if not required and not (cfg.hf_checkpoint and Path(cfg.hf_checkpoint).exists()):
         return None
     arch = qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
     check_parallel_layout(arch, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Callable, ContextManager
 
 from megatron_klear.config import TrainConfig
 from megatron_klear.heap import freeze_startup_heap
@@ -35,14 +35,10 @@ def model_arch(cfg: TrainConfig) -> Qwen3Arch:
     return qwen3_config_from_hf(load_hf_config(cfg.hf_checkpoint))
 
 
-def start_run(cfg: TrainConfig, arch: Qwen3Arch, position_key: str,
-              after_build: Callable[[Qwen3Arch], Any] | None = None) -> RunStart:
-    """Build the engine, run ``after_build(arch)`` (settings that need the parallel state),
-    then resume from a checkpoint of this trainer (its step and ``extra[position_key]``) or
-    load the initial weights (step 0, position 0)."""
+def start_run(cfg: TrainConfig, arch: Qwen3Arch, position_key: str) -> RunStart:
+    """Build the engine, then resume from a checkpoint of this trainer (its step and
+    ``extra[position_key]``) or load the initial weights (step 0, position 0)."""
     engine = build_engine(cfg, arch)
-    if after_build is not None:
-        after_build(arch)
     info = restore_or_init(engine)
     step, position = (info.iteration, info.extra[position_key]) if info else (0, 0)
     return RunStart(engine, step, position)

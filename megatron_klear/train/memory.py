@@ -53,7 +53,7 @@ class Workload:
 
     ``fused_loss``: the loss keeps O(1) numbers per token and writes the logits' gradient in
     place (``vocab_parallel_policy_loss``/``vocab_parallel_logprobs``); False: fp32 copies
-    of the vocab-parallel logits (``token_loss.token_nll``). ``tokens``: the
+    of the vocab-parallel logits (``sft_objective.token_nll``). ``tokens``: the
     tokens of one micro-batch when it is a pack under a token budget (``--max-tokens-per-gpu``,
     sequences of at most ``seq_length``); None: ``seq_length x --micro-batch-size``.
     ``reference_on_host``: the KL reference's weights live in host memory and are swapped in

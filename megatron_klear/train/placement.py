@@ -1,12 +1,12 @@
 """Where the rollout engines run beside the trainer, behind one interface the RL loop calls.
 
 :class:`SeparatePlacement`: the engines have GPUs of their own (or are given by
-``--rollout-urls``); weights go over the bucketed weight-update group (rollout/weight_sync.py).
+``--rollout-urls``); weights go over the bucketed weight-update group (rollout/transport/weight_sync.py).
 :class:`ColocatedPlacement` (``--colocate``): trainer and engines take turns on the same GPUs
 (:class:`~megatron_klear.train.colocate.Colocation`), weights go as tensor handles
-(rollout/tensor_sync.py). The loop calls, in order: :meth:`Placement.start` (the engines
+(rollout/transport/tensor_sync.py). The loop calls, in order: :meth:`Placement.start` (the engines
 take the trainer's first weights), per step :meth:`~Placement.before_train` and
-:meth:`~Placement.sync_and_probe` (with the probe of rollout/probe.py), around a save
+:meth:`~Placement.sync_and_probe` (with the probe of rollout/transport/probe.py), around a save
 :meth:`~Placement.trainer_resident`, and :meth:`~Placement.close`. A new placement is a
 subclass here and a branch in :func:`build_placement`.
 """
@@ -21,7 +21,7 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 
-from megatron_klear.rollout.probe import probe_after_sync
+from megatron_klear.rollout.transport.probe import probe_after_sync
 from megatron_klear.train.colocate import Colocation
 from megatron_klear.train.engine import Engine
 from megatron_klear.train.rl_config import INFLIGHT_PAUSE_MODES, RLConfig, async_share
@@ -106,13 +106,13 @@ def build_placement(cfg: RLConfig, urls: list[str], engine: Engine, client: Any)
     """The run's placement over the servers at ``urls`` (``client``: a RolloutClient of
     them)."""
     if cfg.colocate:
-        from megatron_klear.rollout.tensor_sync import TensorWeightSync
+        from megatron_klear.rollout.transport.tensor_sync import TensorWeightSync
 
         sync = TensorWeightSync(urls, engine.model, engine.arch, rollout_client=client,
                                 bucket_bytes=cfg.weight_sync_bucket_mb * 2**20)
         colocation = Colocation(engine, client if torch.distributed.get_rank() == 0 else None)
         return ColocatedPlacement(engine, sync, colocation)
-    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
 
     # synchronous runs have nothing in flight at a sync: abort + flush is the clean state
     sync = WeightSync(urls, engine.model, engine.arch,
@@ -130,7 +130,7 @@ def build_placement(cfg: RLConfig, urls: list[str], engine: Engine, client: Any)
 def rollout_servers(cfg: RLConfig) -> Iterator[Any]:
     """The rollout servers of the run: given URLs, or embedded servers started here (rank 0;
     with ``--colocate`` one per ``--sglang-tp-size`` ranks)."""
-    from megatron_klear.rollout.launcher import connect, embedded_server_layout, \
+    from megatron_klear.rollout.engine.launcher import connect, embedded_server_layout, \
         launch_embedded_servers
 
     if cfg.rollout_urls:

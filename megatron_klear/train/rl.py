@@ -7,7 +7,7 @@ token-level mean over the mini-batch -> weight sync to the rollout servers.
 
 This file is the loop; its parts live with their concepts: the flags in train/rl_config.py,
 the rollouts in train/rl_data.py, the placement of the engines (separate or colocated) in
-train/placement.py, micro-batches in data/microbatches.py, the loss in algo/rl_loss.py, and
+train/placement.py, micro-batches in data/microbatches.py, the loss in algo/rl_objective.py, and
 the skeleton shared with SFT (engine, restore, log, saves, export) in train/loop.py.
 """
 
@@ -21,11 +21,11 @@ from typing import Any, Callable, Sequence
 import torch
 from megatron.core import parallel_state
 
-from megatron_klear.algo.rl_loss import aggregation_totals, annotate_aggregation, \
-    old_logprobs, policy_loss_fn, step_means
+from megatron_klear.algo.rl_objective import PolicyLossFlags, aggregation_totals, \
+    annotate_aggregation, old_logprobs, policy_loss_fn, step_means
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs
-from megatron_klear.rollout.tool_flags import check_tools_chat_template
+from megatron_klear.samples import RolloutBatch
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.engine import Engine
 from megatron_klear.train.learning_signal import LearningSignalMonitor
@@ -34,22 +34,21 @@ from megatron_klear.train.memory import Workload
 from megatron_klear.train.placement import build_placement, rollout_servers
 from megatron_klear.train.reference import ReferencePolicy
 from megatron_klear.train.rl_config import RLConfig
-from megatron_klear.train.rl_data import PromptStream, RolloutBatch, broadcast_batch, \
+from megatron_klear.train.rl_data import DynamicSamplingFlags, PromptStream, broadcast_batch, \
     collect_batch
 
 
 def train(cfg: RLConfig) -> list[dict]:
     """Run GPPO RL; returns this run's per-step metrics."""
     from megatron_klear.data.prompts import load_prompt_dataset, load_tokenizer
-    from megatron_klear.rollout.client import RolloutClient
+    from megatron_klear.rollout.orchestration.client import RolloutClient
 
     arch = model_arch(cfg)
     tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template,
                                parse_chat_template_kwargs(cfg.chat_template_kwargs))
-    check_tools_chat_template(tokenizer, cfg.multi_turn_config(cfg.rollout_max_response_len))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
-    run = start_run(cfg, arch, "consumed_prompts", after_build=cfg.derive)
+    run = start_run(cfg, arch, "consumed_prompts")
     engine = run.engine
     reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
         if cfg.kl_coef else None
@@ -91,12 +90,7 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
     """The run's batches from ``stream``: collected when a step starts, or with
     ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
-                                params, cfg.reward, dynamic_sampling=cfg.dynamic_sampling,
-                                max_rounds=cfg.max_gen_rounds or cfg.max_sampling_rounds,
-                                normalize_std=cfg.advantage_std_norm,
-                                gen_batch_size=cfg.rollout_gen_batch_size,
-                                filter_metric=cfg.filter_groups_metric,
-                                overlong_filter=cfg.overlong_filter,
+                                params, cfg.reward, cfg.part(DynamicSamplingFlags),
                                 prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),
                                 remote=cfg.remote_reward(), overlong=cfg.overlong_shaping(),
                                 stages=cfg.rollout_stages, multi_turn=cfg.multi_turn_config(
@@ -140,7 +134,8 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
     t0 = time.time()
-    mbs_per_mini = [rollout_microbatches(batch, rows, cfg, pad_id) for rows in minis]
+    layout = cfg.micro_batch_layout()
+    mbs_per_mini = [rollout_microbatches(batch, rows, layout, pad_id) for rows in minis]
     for mbs in mbs_per_mini:
         annotate_aggregation(mbs)
     t_pack = time.time() - t0
@@ -160,8 +155,9 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     t0 = time.time()
     for rows, mbs in zip(minis, mbs_per_mini):
         counts = aggregation_totals(batch, rows, per_mini)
-        m = engine.train_step(mbs, policy_loss_fn(cfg, vocab, counts.tokens,
-                                                  counts.positive_tokens, counts))
+        m = engine.train_step(mbs, policy_loss_fn(
+            cfg.part(PolicyLossFlags), vocab, counts.tokens, counts.positive_tokens, counts,
+            temperature=cfg.rollout_temperature, backend=cfg.loss_backend))
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
     t_train = time.time() - t0

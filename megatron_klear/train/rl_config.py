@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import os
 import sys
+import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from megatron_klear.algo.kl import KL_ESTIMATORS
-from megatron_klear.algo.losses import LOSS_AGGREGATIONS, erc_band
-from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection
+from megatron_klear.algo.rl_objective import PolicyLossFlags
 from megatron_klear.config import ConfigError, Section, TrainConfig, opt
+from megatron_klear.data.microbatches import MicroBatchLayout
 from megatron_klear.data.prompt_flags import PromptFlags
 from megatron_klear.rewards import check_reward
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
-from megatron_klear.rollout.sampling import SamplingParams
-from megatron_klear.rollout.tool_flags import ToolFlags
+from megatron_klear.rollout.orchestration.request import SamplingParams
+from megatron_klear.rollout.orchestration.tool_flags import ToolFlags, check_tools_chat_template
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
-from megatron_klear.train.learning_signal import WARN_EVERY
+from megatron_klear.train.rl_data import DynamicSamplingFlags
 
 
 def async_share(cores: int) -> int:
@@ -91,7 +90,7 @@ class RolloutFlags(Section):
 
 @dataclass
 class SamplingFlags(Section):
-    """The rollout's sampling (one :class:`~megatron_klear.rollout.sampling.SamplingParams`
+    """The rollout's sampling (one :class:`~megatron_klear.rollout.orchestration.request.SamplingParams`
     contract with klear-eval's --temperature / --top-p / --max-new-tokens)."""
 
     title = "sampling"
@@ -117,7 +116,7 @@ class SamplingFlags(Section):
 
 @dataclass
 class RolloutStageFlags(Section):
-    """The rollout pipeline's stages (rollout/pipeline.py), replaceable by name or import path."""
+    """The rollout pipeline's stages (rollout/orchestration/pipeline.py), replaceable by name or import path."""
 
     title = "rollout stages"
     rollout_stages: list[str] | None = opt(None, "rollout pipeline stages, KIND=NAME or "
@@ -128,58 +127,12 @@ class RolloutStageFlags(Section):
 
     def validate_section(self) -> None:
         """Each entry well formed, its stage registered or importable."""
-        from megatron_klear.rollout.pipeline import build_pipeline
+        from megatron_klear.rollout.orchestration.pipeline import build_pipeline
 
         try:
             build_pipeline(self.rollout_stages)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-
-
-@dataclass
-class DynamicSamplingFlags(Section):
-    """Dropping uninformative groups, refilling and over-generating (Klear's recipe)."""
-
-    title = "dynamic sampling"
-    advantage_std_norm: bool = opt(True, "divide group advantages by the group std")
-    dynamic_sampling: bool = opt(True, "drop zero-advantage groups and refill the batch")
-    max_sampling_rounds: int = opt(4, "rollout rounds allowed to refill a batch")
-    rollout_gen_batch_size: int | None = opt(None, "over-generation: prompts generated per "
-                                             "round (Klear: 256 for --rollout-batch-size 128);"
-                                             " the step trains on the informative groups left,"
-                                             " at most --rollout-batch-size, the last "
-                                             "mini-batch possibly partial; unset or 0 (to "
-                                             "turn a YAML's off): refill to whole mini-batches")
-    max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
-                                     "max_num_gen_batches=1); default --max-sampling-rounds")
-    filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
-                                    "spread in this: reward, or acc (reward == the reward's "
-                                    "maximum: Klear's filter_groups_metric=acc)",
-                                    choices=("reward", "acc"))
-    overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
-                                "group filter (no loss tokens, not in the group advantages)")
-    max_skipped_steps: int = opt(30, "stop the run (exit 1) after this many steps in a row "
-                                 "skipped for want of groups with a reward spread (all 0 or "
-                                 f"all 1); a warning every {WARN_EVERY} such steps says which "
-                                 "and what helps")
-
-    def validate_section(self) -> None:
-        """Over-generation flags (Klear's recipe, docs/recipe.md); 0 is "off"."""
-        gen = self.rollout_gen_batch_size
-        if gen and (gen < self.rollout_batch_size or not self.dynamic_sampling):
-            raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
-                              f"sampling: it needs --dynamic-sampling and >= "
-                              f"--rollout-batch-size {self.rollout_batch_size}")
-        if gen is not None and gen < 0:
-            raise ConfigError(f"--rollout-gen-batch-size must be >= 0 (0: off), got {gen}")
-        if self.max_sampling_rounds < 1:
-            raise ConfigError(f"--max-sampling-rounds must be >= 1, got "
-                              f"{self.max_sampling_rounds}")
-        if self.max_skipped_steps < 1:
-            raise ConfigError(f"--max-skipped-steps must be >= 1, got {self.max_skipped_steps}")
-        if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
-            raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
-                              f"{self.max_gen_rounds}")
 
 
 @dataclass
@@ -249,108 +202,6 @@ class RewardFlags(Section):
         if not self.reward_url:
             return None
         return RemoteReward(self.reward_url, self.reward_timeout, self.reward_retries)
-
-
-@dataclass
-class PolicyLossFlags(Section):
-    """The policy loss, its aggregation, the SFT and KL terms, and rollout corrections."""
-
-    title = "policy loss"
-    loss_type: str = opt("gppo", "policy loss: gppo (CE-GPPO general beta), ppo (PPO-clip with "
-                         "Clip-Higher bounds, DAPO), cispo (MiniMax-M1) or gspo (sequence-level "
-                         "ratio; set --eps-clip-low/high ~3e-4/4e-4); docs/policy_loss.md",
-                         choices=("gppo", "ppo", "cispo", "gspo"))
-    eps_clip_low: float = opt(0.2, "lower clip epsilon")
-    eps_clip_high: float = opt(0.28, "upper clip epsilon (Clip-Higher)")
-    gppo_beta1: float = opt(1.0, "GPPO gradient weight of the low clip")
-    gppo_beta2: float = opt(1.0, "GPPO gradient weight of the high clip")
-    dual_clip: float | None = opt(None, "dual-clip bound c for negative advantages")
-    sft_alpha: float = opt(0.1, "weight of the SFT loss on fully correct responses")
-    # Klear's released recipe (docs/recipe.md)
-    loss_aggregation: str = opt("token-mean", "how per-token losses become the loss: token-mean "
-                                "(the paper: mean over the mini-batch's tokens), "
-                                "token-mean-micro (Klear's released code: token mean per "
-                                "micro-batch x sequences / per-rank mini-batch size, "
-                                "averaged over DP), seq-mean-token-sum, seq-mean-token-mean "
-                                "(verl's sequence means); the SFT term likewise",
-                                choices=LOSS_AGGREGATIONS)
-    entropy_ratio_clip: float | None = opt(None, "ERC delta (arXiv 2512.05591), e.g. 0.05: tokens "
-                                           "whose entropy ratio current/old policy leaves "
-                                           "(1-delta, 1+delta) pass no gradient; unset: off")
-    erc_low: float | None = opt(None, "ERC band lower bound of the entropy ratio (with "
-                                "--erc-high; ERC's scripts: 0.95), instead of "
-                                "--entropy-ratio-clip's symmetric 1 - delta")
-    erc_high: float | None = opt(None, "ERC band upper bound of the entropy ratio (with "
-                                 "--erc-low; ERC's scripts: 1.05)")
-    rollout_correction: str = opt("none", "rollout/trainer mismatch correction: truncated IS "
-                                  "(tis), masked IS (mis) or IcePop's two-sided mask (icepop); "
-                                  "docs/policy_loss.md", choices=MODES)
-    rollout_correction_level: str = opt("token", "ratio the correction uses: per token, per "
-                                        "sequence (product) or geometric (mean log-ratio of the "
-                                        "sequence)", choices=LEVELS)
-    rollout_correction_cap: float | None = opt(None, "tis truncates at it, mis/icepop reject "
-                                               "above it (default 2 for tis/mis, 5 for icepop)")
-    rollout_correction_lower: float | None = opt(None, "mis/icepop reject ratios below it "
-                                                 "(default: none for mis, 0.5 for icepop)")
-    tis_cap: float | None = opt(None, "alias of --rollout-correction tis "
-                                "--rollout-correction-level token --rollout-correction-cap C")
-    # KL to a frozen reference policy (a loss term; docs/policy_loss.md)
-    kl_coef: float = opt(0.0, "weight of the KL(policy || reference) loss term (0: off, no "
-                         "reference forward)")
-    kl_estimator: str = opt("low_var_kl", "per-token KL estimator", choices=KL_ESTIMATORS)
-    ref_load: str | None = opt(None, "reference weights: a checkpoint dir or a Hugging Face "
-                               "dir (default: --hf-checkpoint); e.g. the SFT checkpoint an RL "
-                               "run started from")
-
-    def validate_section(self) -> None:  # noqa: D102
-        if self.loss_type == "gspo" and self.context_parallel_size > 1:
-            raise ConfigError("--loss-type gspo takes each response's mean log-ratio, which a "
-                              "context-parallel rank holds only a slice of: drop "
-                              "--context-parallel-size or use another --loss-type")
-        if not 0 < self.eps_clip_low < 1 or self.eps_clip_high <= 0:
-            raise ConfigError("--eps-clip-low must be in (0, 1) and --eps-clip-high > 0")
-        if self.entropy_ratio_clip is not None and not self.entropy_ratio_clip > 0:
-            raise ConfigError(f"--entropy-ratio-clip must be > 0 (ERC's delta, e.g. 0.05), got "
-                              f"{self.entropy_ratio_clip}; omit the flag to disable ERC")
-        try:
-            erc_band(self.entropy_ratio_clip, self.erc_low, self.erc_high)
-        except ValueError:
-            raise ConfigError(f"ERC's band: give --entropy-ratio-clip DELTA, or both --erc-low "
-                              f"and --erc-high with 0 <= low < high (e.g. 0.95 1.05), not both "
-                              f"forms; got delta {self.entropy_ratio_clip}, low {self.erc_low},"
-                              f" high {self.erc_high}") from None
-        self.correction()
-        if self.kl_coef < 0:
-            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
-        if self.ref_load and not self.kl_coef:
-            raise ConfigError("--ref-load is the reference of the KL term: set --kl-coef > 0 "
-                              "or drop --ref-load")
-
-    def check_inputs_section(self, model: Any) -> None:  # noqa: D102
-        if self.ref_load and not Path(self.ref_load).is_dir():
-            raise ConfigError(f"--ref-load {self.ref_load}: no such directory (a checkpoint "
-                              "dir or a Hugging Face dir)")
-
-    def correction(self) -> RolloutCorrection | None:
-        """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
-        if self.tis_cap is not None:
-            if self.rollout_correction != "none":
-                raise ConfigError("--tis-cap C is an alias of --rollout-correction tis "
-                                  "--rollout-correction-level token --rollout-correction-cap C;"
-                                  " give one or the other")
-            if not self.tis_cap > 0:
-                raise ConfigError(f"--tis-cap must be > 0, got {self.tis_cap}")
-            return RolloutCorrection("tis", "token", self.tis_cap)
-        if self.rollout_correction == "none":
-            if self.rollout_correction_cap is not None or self.rollout_correction_lower is not None:
-                raise ConfigError("--rollout-correction-cap / --rollout-correction-lower need "
-                                  "--rollout-correction tis, mis or icepop")
-            return None
-        try:
-            return RolloutCorrection(self.rollout_correction, self.rollout_correction_level,
-                                     self.rollout_correction_cap, self.rollout_correction_lower)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -497,7 +348,7 @@ class ColocationFlags(Section):
         if self.weight_sync_format != "flattened_bucket":
             raise ConfigError("--colocate passes weights as SGLang flattened buckets of tensor "
                               "handles; drop --weight-sync-format per_tensor")
-        if self.pipeline_model_parallel_size > 1:  # rollout/tensor_sync.py's rule, up front
+        if self.pipeline_model_parallel_size > 1:  # rollout/transport/tensor_sync.py's rule, up front
             raise ConfigError("--colocate with --pipeline-model-parallel-size > 1: every engine "
                               "needs every stage's weights on its own GPU; use "
                               "--pipeline-model-parallel-size 1")
@@ -515,6 +366,34 @@ class RLConfig(ToolFlags, ColocationFlags, EvalFlags, WeightSyncFlags, MicroBatc
                              "sequences per optimizer step",
         "seq_length": "klear-rl's sequences are --rollout-max-prompt-len + "
                       "--rollout-max-response-len tokens (THD packs of --max-tokens-per-gpu)"}
+
+    def validate(self) -> None:
+        """Each section's own checks, then the rules that tie sections together."""
+        super().validate()
+        if self.loss_type == "gspo" and self.context_parallel_size > 1:
+            raise ConfigError("--loss-type gspo takes each response's mean log-ratio, which a "
+                              "context-parallel rank holds only a slice of: drop "
+                              "--context-parallel-size or use another --loss-type")
+
+    def micro_batch_layout(self) -> MicroBatchLayout:
+        """The flags of several sections that shape RL micro-batches (data/microbatches.py):
+        packing, the token budget, the rollout lengths and the parallel split."""
+        return MicroBatchLayout(**{f.name: getattr(self, f.name)
+                                   for f in dataclasses.fields(MicroBatchLayout)})
+
+    def check_inputs(self, model: Any) -> None:
+        """Each section's checks, then, with ``--tools`` and the model on this machine, that
+        its chat template (or ``--chat-template``) renders tool turns: the dry run refuses
+        what the real run would."""
+        super().check_inputs(model)
+        if self.tools and model is not None:
+            from megatron_klear.data.prompts import load_tokenizer, parse_chat_template_kwargs
+
+            tokenizer = load_tokenizer(self.hf_checkpoint, self.prompt_template,
+                                       self.chat_template,
+                                       parse_chat_template_kwargs(self.chat_template_kwargs))
+            check_tools_chat_template(tokenizer,
+                                      self.multi_turn_config(self.rollout_max_response_len))
 
     def derive(self, model: Any = None) -> None:
         """The values that follow from others, after validation: sequences per optimizer

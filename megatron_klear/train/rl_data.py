@@ -1,6 +1,6 @@
 """One RL step's data: prompts -> n responses each -> rewards -> group advantages.
 
-The rollout itself is a pipeline of stages over per-sample records (rollout/pipeline.py);
+The rollout itself is a pipeline of stages over per-sample records (rollout/orchestration/pipeline.py);
 this module draws the prompts (:class:`PromptStream`, resumable), runs the rounds that refill
 past zero-advantage groups (DAPO-style dynamic sampling) and hands the trainer its
 :class:`RolloutBatch`, built from the samples. Only global rank 0 talks to the rollout
@@ -10,94 +10,69 @@ servers; the finished batch is broadcast so that every rank builds identical mic
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from megatron_klear.config import ConfigError, Section, opt
 from megatron_klear.data.prompts import PromptSample
 from megatron_klear.rewards import reward_max_score
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
-from megatron_klear.rollout.multi_turn import MultiTurnConfig
-from megatron_klear.rollout.pipeline import RolloutContext, Sample, build_pipeline
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.orchestration.multi_turn import MultiTurnConfig
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, build_pipeline
+from megatron_klear.samples import RolloutBatch, Sample
+from megatron_klear.train.learning_signal import WARN_EVERY
 
-MULTI_TURN_STAGE = "generate=megatron_klear.rollout.multi_turn:generate_tool_turns"
+MULTI_TURN_STAGE = "generate=megatron_klear.rollout.orchestration.multi_turn:generate_tool_turns"
 
 
 @dataclass
-class RolloutBatch:
-    """Responses grouped by prompt: sample i belongs to prompt ``i // group_size``."""
+class DynamicSamplingFlags(Section):
+    """Dropping uninformative groups, refilling and over-generating (Klear's recipe)."""
 
-    group_size: int
-    prompt_ids: list[list[int]] = field(default_factory=list)     # one per sample
-    response_ids: list[list[int]] = field(default_factory=list)
-    rollout_logprobs: list[list[float]] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    truncated: list[bool] = field(default_factory=list)
-    prompt_index: list[int] = field(default_factory=list)         # dataset index per sample
-    advantages: list[float] = field(default_factory=list)
-    # MoE routing replay: per sample, the rollout's expert ids (flat, or None when not asked)
-    routed_experts: list = field(default_factory=list)
-    stats: dict[str, float] = field(default_factory=dict)
-    max_score: float = 1.0      # the reward's maximum: samples scoring it are the positives
-    kept: list[bool] = field(default_factory=list)  # False: dropped by --overlong-filter
-    # per sample, per response token: 1 = trained (the model's own), 0 = in the sequence but
-    # not trained (multi-turn tool responses); empty when every response token trains
-    loss_masks: list[list[int]] = field(default_factory=list)
+    title = "dynamic sampling"
+    advantage_std_norm: bool = opt(True, "divide group advantages by the group std")
+    dynamic_sampling: bool = opt(True, "drop zero-advantage groups and refill the batch")
+    max_sampling_rounds: int = opt(4, "rollout rounds allowed to refill a batch")
+    rollout_gen_batch_size: int | None = opt(None, "over-generation: prompts generated per "
+                                             "round (Klear: 256 for --rollout-batch-size 128);"
+                                             " the step trains on the informative groups left,"
+                                             " at most --rollout-batch-size, the last "
+                                             "mini-batch possibly partial; unset or 0 (to "
+                                             "turn a YAML's off): refill to whole mini-batches")
+    max_gen_rounds: int | None = opt(None, "generation rounds per step (1: no refill, Klear's "
+                                     "max_num_gen_batches=1); default --max-sampling-rounds")
+    filter_groups_metric: str = opt("reward", "dynamic sampling drops the groups without "
+                                    "spread in this: reward, or acc (reward == the reward's "
+                                    "maximum: Klear's filter_groups_metric=acc)",
+                                    choices=("reward", "acc"))
+    overlong_filter: bool = opt(False, "drop the responses that did not end in EOS before the "
+                                "group filter (no loss tokens, not in the group advantages)")
+    max_skipped_steps: int = opt(30, "stop the run (exit 1) after this many steps in a row "
+                                 "skipped for want of groups with a reward spread (all 0 or "
+                                 f"all 1); a warning every {WARN_EVERY} such steps says which "
+                                 "and what helps")
 
-    @classmethod
-    def from_samples(cls, samples: Sequence[Sample], group_size: int, max_score: float,
-                     stats: dict[str, float]) -> "RolloutBatch":
-        """The trainer's batch of the pipeline's samples (whole groups, in order). The
-        samples' loss masks are kept only when one masks part of its response."""
-        for i, s in enumerate(samples):
-            if len(s.loss_mask) != len(s.response_ids) or s.loss_mask.count(0) + \
-                    s.loss_mask.count(1) != len(s.loss_mask):
-                raise ValueError(f"sample {i}: its loss_mask must hold one 0 or 1 per response "
-                                 "token")
-        partial = any(s.loss_mask.count(1) != len(s.loss_mask) for s in samples)
-        return cls(group_size, prompt_ids=[s.prompt_ids for s in samples],
-                   response_ids=[s.response_ids for s in samples],
-                   rollout_logprobs=[s.rollout_logprobs for s in samples],
-                   rewards=[s.reward for s in samples],
-                   truncated=[s.truncated for s in samples],
-                   prompt_index=[s.prompt_index for s in samples],
-                   advantages=[s.advantage for s in samples],
-                   routed_experts=[s.routed_experts for s in samples], stats=stats,
-                   max_score=max_score, kept=[s.kept for s in samples],
-                   loss_masks=[s.loss_mask for s in samples] if partial else [])
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-    def groups(self) -> int:
-        """Number of prompt groups."""
-        return len(self) // self.group_size
-
-    def is_kept(self, i: int) -> bool:
-        """Sample ``i`` trains (not dropped by the overlong filter)."""
-        return not self.kept or self.kept[i]
-
-    def response_mask(self, i: int) -> list[int] | None:
-        """Sample ``i``'s per-token loss mask, or None when its whole response trains."""
-        return self.loss_masks[i] if self.loss_masks else None
-
-    def _fields(self) -> tuple[str, ...]:
-        return ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "truncated",
-                "prompt_index", "advantages") + (("kept",) if self.kept else ()) + \
-            (("routed_experts",) if self.routed_experts else ()) + \
-            (("loss_masks",) if self.loss_masks else ())
-
-    def select_groups(self, keep: Sequence[int]) -> "RolloutBatch":
-        """A batch of the given groups only (stats are kept)."""
-        out = RolloutBatch(self.group_size, stats=dict(self.stats), max_score=self.max_score)
-        for g in keep:
-            for i in range(g * self.group_size, (g + 1) * self.group_size):
-                for name in self._fields():
-                    getattr(out, name).append(getattr(self, name)[i])
-        return out
+    def validate_section(self) -> None:
+        """Over-generation flags (Klear's recipe, docs/recipe.md); 0 is "off"."""
+        gen = self.rollout_gen_batch_size
+        if gen and (gen < self.rollout_batch_size or not self.dynamic_sampling):
+            raise ConfigError(f"--rollout-gen-batch-size {gen} over-generates for dynamic "
+                              f"sampling: it needs --dynamic-sampling and >= "
+                              f"--rollout-batch-size {self.rollout_batch_size}")
+        if gen is not None and gen < 0:
+            raise ConfigError(f"--rollout-gen-batch-size must be >= 0 (0: off), got {gen}")
+        if self.max_sampling_rounds < 1:
+            raise ConfigError(f"--max-sampling-rounds must be >= 1, got "
+                              f"{self.max_sampling_rounds}")
+        if self.max_skipped_steps < 1:
+            raise ConfigError(f"--max-skipped-steps must be >= 1, got {self.max_skipped_steps}")
+        if self.max_gen_rounds is not None and self.max_gen_rounds < 1:
+            raise ConfigError(f"--max-gen-rounds must be >= 1 (1: no refill), got "
+                              f"{self.max_gen_rounds}")
 
 
 class PromptStream:
@@ -131,49 +106,50 @@ class PromptStream:
 
 
 def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, num_prompts: int,
-                  params: SamplingParams, reward: str, *, dynamic_sampling: bool = True,
-                  max_rounds: int = 4, normalize_std: bool = True,
-                  gen_batch_size: int | None = None, filter_metric: str = "reward",
-                  overlong_filter: bool = False,
+                  params: SamplingParams, reward: str,
+                  sampling: DynamicSamplingFlags = DynamicSamplingFlags(), *,
                   prompt_limit: tuple[int, str] | None = None,
                   remote: RemoteReward | None = None,
                   overlong: OverlongShaping | None = None,
                   stages: Sequence[str] | None = (),
                   multi_turn: MultiTurnConfig | None = None) -> RolloutBatch:
-    """A batch of ``num_prompts`` groups through the rollout pipeline (rollout/pipeline.py:
+    """A batch of ``num_prompts`` groups through the rollout pipeline (rollout/orchestration/pipeline.py:
     generate -> score -> filters, per round; advantages over the batch), refilled past the
     groups the filters drop when asked.
 
-    With dynamic sampling, rounds of ``gen_batch_size`` (default ``num_prompts``) prompts are
-    drawn until enough informative groups exist or ``max_rounds`` is reached (then the batch
-    may be smaller; Klear: 256 prompts for 128, one round). A group is uninformative when its
-    ``filter_metric`` has no spread among its kept responses: ``reward``, or ``acc`` (reward ==
-    the reward's maximum; with format penalties a group can have reward spread and no accuracy
-    spread). Of more informative groups than needed, the first ``num_prompts`` are kept.
-    ``overlong_filter`` (Klear's): responses without EOS stay without loss tokens and out of
-    the group advantages. ``prompt_limit`` = (max tokens, ``left`` | ``error``): see
-    :func:`~megatron_klear.rollout.pipeline.limit_prompt`. ``remote``: score by the
+    ``sampling``: the dynamic-sampling section. With dynamic sampling, rounds of
+    ``rollout_gen_batch_size`` (default ``num_prompts``) prompts are drawn until enough
+    informative groups exist or ``max_gen_rounds`` (default ``max_sampling_rounds``) is
+    reached (then the batch may be smaller; Klear: 256 prompts for 128, one round). A group is
+    uninformative when its ``filter_groups_metric`` has no spread among its kept responses:
+    ``reward``, or ``acc`` (reward == the reward's maximum; with format penalties a group can
+    have reward spread and no accuracy spread). Of more informative groups than needed, the
+    first ``num_prompts`` are kept. ``overlong_filter`` (Klear's): responses without EOS stay
+    without loss tokens and out of the group advantages. ``prompt_limit`` = (max tokens, ``left`` | ``error``): see
+    :func:`~megatron_klear.rollout.orchestration.pipeline.limit_prompt`. ``remote``: score by the
     ``--reward-url`` service; ``overlong``: DAPO shaping. ``stages``: ``--rollout-stages``
-    (:func:`~megatron_klear.rollout.pipeline.build_pipeline`). ``multi_turn`` (``--tools``):
+    (:func:`~megatron_klear.rollout.orchestration.pipeline.build_pipeline`). ``multi_turn`` (``--tools``):
     the tools and limits of multi-turn rollouts, generated by
-    :func:`~megatron_klear.rollout.multi_turn.generate_tool_turns` unless ``stages`` names
+    :func:`~megatron_klear.rollout.orchestration.multi_turn.generate_tool_turns` unless ``stages`` names
     another generate stage.
     """
-    n = params.n
+    n, dynamic = params.n, sampling.dynamic_sampling
     ctx = RolloutContext(client, tokenizer, params, reward, reward_max_score(reward),
-                         normalize_std=normalize_std, filter_metric=filter_metric,
-                         overlong_filter=overlong_filter, prompt_limit=prompt_limit,
+                         normalize_std=sampling.advantage_std_norm,
+                         filter_metric=sampling.filter_groups_metric,
+                         overlong_filter=sampling.overlong_filter, prompt_limit=prompt_limit,
                          remote=remote, overlong=overlong, multi_turn=multi_turn)
     if multi_turn is not None and not any(s.startswith("generate=") for s in stages or ()):
         stages = [MULTI_TURN_STAGE, *(stages or ())]
-    pipeline = build_pipeline(stages, overlong_filter=overlong_filter,
-                              dynamic_sampling=dynamic_sampling)
+    pipeline = build_pipeline(stages, overlong_filter=sampling.overlong_filter,
+                              dynamic_sampling=dynamic)
     kept: list[Sample] = []      # the batch: whole groups, in the order drawn
     scored: list[Sample] = []    # every response scored this step (the rollout/* stats)
     drawn = dropped = 0
-    for _ in range(max_rounds if dynamic_sampling else 1):
+    for _ in range((sampling.max_gen_rounds or sampling.max_sampling_rounds) if dynamic else 1):
         need = num_prompts - len(kept) // n
-        drawn_now = stream.take((gen_batch_size or num_prompts) if dynamic_sampling else need)
+        drawn_now = stream.take((sampling.rollout_gen_batch_size or num_prompts) if dynamic
+                                else need)
         got, left = pipeline.round(ctx, [p for _, p in drawn_now],
                                    [stream.sampling_seed(pos) for pos, _ in drawn_now])
         scored += got
@@ -192,7 +168,7 @@ def rollout_stats(ctx: RolloutContext, scored: Sequence[Sample], drawn: int, dro
     """A step's rollout metrics: the stages' sums (timings, overlong penalty) and means over
     every response scored in any round; ``dropped`` of the ``drawn`` groups were filtered.
     Multi-turn rollouts' ``multi_turn/*`` sums (calls, tool errors, turn-limit hits, model
-    vs tool tokens, rollout/multi_turn.py) become means per trajectory."""
+    vs tool tokens, rollout/orchestration/multi_turn.py) become means per trajectory."""
     stats = dict(ctx.stats)
     trajectories = stats.pop("multi_turn/samples", 0.0)
     for key in [k for k in stats if k.startswith("multi_turn/")]:

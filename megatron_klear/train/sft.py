@@ -22,7 +22,7 @@ from megatron_klear.ops.backend import loss_backend
 from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
 from megatron_klear.train.memory import Workload
 from megatron_klear.train.sft_config import SFTConfig
-from megatron_klear.train.token_loss import token_nll
+from megatron_klear.train.sft_objective import token_nll
 
 
 class BinSchedule:

@@ -46,7 +46,7 @@ def _train(offload: bool, start: dict | None) -> tuple[list[float], dict, int]:
     from megatron_klear.models.tiny import tiny_qwen3_config
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.offload import TrainerOffload
-    from megatron_klear.train.token_loss import token_nll
+    from megatron_klear.train.sft_objective import token_nll
 
     cfg = TrainConfig(bf16=True, use_distributed_optimizer=True, global_batch_size=2,
                       micro_batch_size=1, lr=3e-3, seed=5)
@@ -108,9 +108,9 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
     """Release the engines' memory (KV cache and weights) and read the GPU's free memory
     rise, resume them (train() starts from the launch state and releases them itself), then
     ``klear-rl --colocate`` for two steps in bf16: {"ok", "numbers", "history"}."""
-    from megatron_klear.config import parse_config
-    from megatron_klear.rollout.client import RolloutClient
-    from megatron_klear.rollout.probe import PROBE_METRIC
+    from megatron_klear.train.main import load_config
+    from megatron_klear.rollout.orchestration.client import RolloutClient
+    from megatron_klear.rollout.transport.probe import PROBE_METRIC
     from megatron_klear.train.rl import RLConfig, train
 
     client, tags = RolloutClient(urls), {"tags": ["kv_cache", "weights"]}
@@ -122,7 +122,7 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x"}) + "\n"
                                for i in range(8)))
-    hist = train(parse_config(RLConfig, [
+    hist = train(load_config(RLConfig, [
         "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--colocate",
         "--rollout-urls", *urls, "--reward", "math", "--rollout-batch-size", "4",
         "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
@@ -141,7 +141,7 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
 
 def sglang_check(tmp: Path) -> None:
     from megatron_klear.models.tiny import save_tiny_hf_model
-    from megatron_klear.rollout.launcher import launch_sglang_servers
+    from megatron_klear.rollout.engine.launcher import launch_sglang_servers
 
     model = save_tiny_hf_model(tmp / "hf", seed=0)
     with launch_sglang_servers(model, 1, mem_fraction=0.3, log_dir=tmp / "logs",

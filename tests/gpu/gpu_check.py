@@ -115,13 +115,13 @@ def step_offload() -> dict:
 def _embedded_cuda_server(model: Path, log: Path):
     """One embedded rollout server on this GPU (bf16, as the trainer), started and healthy."""
     from megatron_klear.orphans import die_with_parent
-    from megatron_klear.rollout.launcher import RolloutServers, free_port, server_env, \
+    from megatron_klear.rollout.engine.launcher import RolloutServers, free_port, server_env, \
         wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     out = open(log, "w")  # noqa: SIM115 - closed by RolloutServers.stop
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_klear.rollout.server", "--model",
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_klear.rollout.engine.server", "--model",
                              str(model), "--port", str(port), "--device", "cuda", "--dtype",
                              "bfloat16", "--enable-deterministic-inference"],
                             stdout=out, stderr=subprocess.STDOUT, env=server_env(),

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the worktree's package
 
 from megatron_klear.models.tiny import save_tiny_hf_model  # noqa: E402
-from megatron_klear.rollout.client import RolloutClient, SamplingParams  # noqa: E402
-from megatron_klear.rollout.launcher import launch_sglang_servers  # noqa: E402
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams  # noqa: E402
+from megatron_klear.rollout.engine.launcher import launch_sglang_servers  # noqa: E402
 
 
 def main() -> None:

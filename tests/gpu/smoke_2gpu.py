@@ -58,7 +58,7 @@ def shared_dir(path: str | None) -> Path:
 def sft_and_rl_steps(eng, cfg) -> dict:
     """One SFT step, the RL old-log-prob pass and one RL step on two random micro-batches of
     ``SEQ`` tokens; the losses and whether grads and optimizer state live on the GPU."""
-    from megatron_klear.algo.rl_loss import old_logprobs, policy_loss_fn
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, old_logprobs, policy_loss_fn
     from megatron_klear.train.sft import sft_loss_fn
 
     vocab = eng.arch.vocab_size
@@ -75,7 +75,8 @@ def sft_and_rl_steps(eng, cfg) -> dict:
     sft = eng.train_step(mbs, sft_loss_fn(vocab, total, "cuda"))
     grads_on_gpu = all(p.main_grad.is_cuda for p in eng.model[0].parameters())
     old_logprobs(eng, mbs, vocab, 1.0)
-    rl = eng.train_step(mbs, policy_loss_fn(cfg, vocab, total, total))
+    rl = eng.train_step(mbs, policy_loss_fn(cfg.part(PolicyLossFlags), vocab, total, total,
+                                            backend=cfg.loss_backend))
     state = [t for part in getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])
              for s in part.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return {"sft_loss": float(sft["loss"]), "rl_loss": float(rl["train/loss"]),
@@ -141,7 +142,7 @@ def te_checkpoints(cfg, tmp: Path) -> None:
 
     from megatron_klear.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
-    from megatron_klear.rollout.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
     from megatron_klear.train.engine import build_engine, restore_or_init
     from tests.rollout_helpers import load_reference, make_tiny_model, reference_logprobs
 

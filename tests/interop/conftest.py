@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_klear.rollout.launcher import (SGLANG_CPU_ARGS, LaunchError,
-                                             launch_sglang_servers, sglang_cpu_env)
+from megatron_klear.rollout.engine.launcher import (SGLANG_CPU_ARGS, LaunchError,
+                                                    launch_sglang_servers, sglang_cpu_env)
 from tests.rollout_helpers import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
 from megatron_klear.train.metrics import read_metrics
 from tests.dist import run_distributed
 from tests.interop.conftest import start_sglang
@@ -55,10 +55,10 @@ def _rl_args(hf: Path, data: Path, save: Path, urls: list[str], iters: int, *ext
 
 
 def _rl_train(rank, world, argv):
-    from megatron_klear.config import parse_config
+    from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
 
-    return train(parse_config(RLConfig, argv))
+    return train(load_config(RLConfig, argv))
 
 
 def _check_run(hist: list[dict], iters: int) -> None:
@@ -133,7 +133,7 @@ def test_tensor_handles_and_release_resume_on_real_sglang(servers, sglang_model)
     from tests.rollout_helpers import load_reference, reference_logprobs
     from tests.test_colocate import _flat_payload
     from tests.test_weight_sync import PROBE_IDS, STALE_MIN, _post
-    from megatron_klear.rollout.tensor_handles import serialize_bucket
+    from megatron_klear.rollout.transport.tensor_handles import serialize_bucket
 
     url = servers.urls[1]
     client = RolloutClient([url], request_timeout_s=120)
@@ -230,8 +230,8 @@ def test_server_killed_mid_step_costs_no_prompt(servers, sglang_model, prompts, 
 
 def _rejoin(rank: int, world: int, model_dir: str, survivor: str, victim: str, log_dir: str):
     """Sync with the victim dead, restart it on its port, sync again (world 1, one process)."""
-    from megatron_klear.rollout.weight_sync import WeightSync
-    from megatron_klear.rollout.probe import trainer_sequence_logprobs
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
+    from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
     from tests.test_weight_sync import PROBE_IDS, STALE_MIN, _build
 
     model, arch = _build(model_dir, 1, 1, seed=11)  # weights far from the checkpoint's

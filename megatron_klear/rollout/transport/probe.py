@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_klear import platform
 
 if TYPE_CHECKING:
-    from megatron_klear.rollout.weight_sync import WeightSync
+    from megatron_klear.rollout.transport.weight_sync import WeightSync
 
 __all__ = ["PROBE_METRIC", "probe_ids", "probe_asker", "probe_computes",
            "trainer_sequence_logprobs",

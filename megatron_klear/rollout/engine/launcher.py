@@ -188,7 +188,8 @@ def launch_embedded_servers(model_dir: str | Path, num_servers: int = 1, *,
     if not (Path(model_dir) / "config.json").is_file():
         raise LaunchError(f"--model {model_dir}: no config.json; pass an HF Qwen3 directory")
     ports = [base_port + i if base_port else free_port(host) for i in range(num_servers)]
-    commands = [[sys.executable, "-m", "megatron_klear.rollout.server", "--model", str(model_dir),
+    commands = [[sys.executable, "-m", "megatron_klear.rollout.engine.server",
+                 "--model", str(model_dir),
                  "--host", host, "--port", str(port), "--seed", str(seed + i), "--dtype", dtype,
                  "--load-format", load_format, "--num-threads", str(num_threads),
                  "--enable-deterministic-inference"]

@@ -34,13 +34,13 @@ from typing import Any, AsyncIterator, Iterator
 import aiohttp
 import torch
 
-from megatron_klear.rollout.sampling import SamplingParams  # the one sampling contract
+from megatron_klear.rollout.orchestration.request import SamplingParams  # the one sampling contract
 
 __all__ = ["SamplingParams", "Generation", "RolloutClient", "RolloutError",
            "RoutedExpertsMissing", "sample_seed"]
 
 
-log = logging.getLogger("megatron_klear.rollout.client")
+log = logging.getLogger("megatron_klear.rollout.orchestration.client")
 
 
 class RolloutError(RuntimeError):

@@ -44,7 +44,7 @@ and a real torch.distributed group:
   sglang/srt/utils/patch_torch.py).
 
 Bad requests get HTTP 400 with ``{"error": {"message": ...}}`` naming the field.
-Run: ``python -m megatron_klear.rollout.server --model DIR --port P``.
+Run: ``python -m megatron_klear.rollout.engine.server --model DIR --port P``.
 """
 
 from __future__ import annotations
@@ -67,15 +67,16 @@ from aiohttp import web
 from megatron_klear.config import OneLineParser
 from megatron_klear.heap import freeze_startup_heap, keep_freed_memory
 from megatron_klear.orphans import exit_when_orphaned
-from megatron_klear.rollout.client import encode_routed_experts
-from megatron_klear.rollout.generator import Generator, Sequence
-from megatron_klear.rollout.sampling import RequestError, SamplingParams
-from megatron_klear.rollout.tensor_handles import bucket_tensors, deserialize
-from megatron_klear.rollout.update_group import UpdateGroup, open_update_group, parse_dtype
+from megatron_klear.rollout.orchestration.client import encode_routed_experts
+from megatron_klear.rollout.engine.generator import Generator, Sequence
+from megatron_klear.rollout.orchestration.request import RequestError, SamplingParams
+from megatron_klear.rollout.transport.tensor_handles import bucket_tensors, deserialize
+from megatron_klear.rollout.transport.update_group import (UpdateGroup, open_update_group,
+                                                           parse_dtype)
 
 __all__ = ["RolloutServer", "build_app", "main"]
 
-log = logging.getLogger("megatron_klear.rollout.server")
+log = logging.getLogger("megatron_klear.rollout.engine.server")
 
 # SGLang's memory tags (sglang/srt/constants.py, GPU_MEMORY_ALL_TYPES), in its order
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
@@ -661,7 +662,7 @@ async def _serve(args: argparse.Namespace, generator: Generator) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI entry point: ``python -m megatron_klear.rollout.server --model DIR --port P``."""
+    """CLI entry point: ``python -m megatron_klear.rollout.engine.server --model DIR --port P``."""
     args = _parse_args(argv)
     exit_when_orphaned()  # also when the launcher's parent-death signal cannot fire
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_klear.config import ConfigError, Section, opt
-from megatron_klear.rollout.multi_turn import MultiTurnConfig, ToolTemplateError, \
+from megatron_klear.rollout.orchestration.multi_turn import MultiTurnConfig, ToolTemplateError, \
     check_tool_template
-from megatron_klear.rollout.tool_calls import ToolParser, get_tool_parser
-from megatron_klear.rollout.tools import Tool, load_tool, python_tool
+from megatron_klear.rollout.orchestration.tool_calls import ToolParser, get_tool_parser
+from megatron_klear.rollout.orchestration.tools import Tool, load_tool, python_tool
 
 __all__ = ["RAW_WITH_TOOLS", "ToolFlags", "check_tools_chat_template"]
 
@@ -25,13 +25,13 @@ RAW_WITH_TOOLS = ("--tools renders tool calls and responses with the chat templa
 
 @dataclass
 class ToolFlags(Section):
-    """Multi-turn tool rollouts (issue 40; rollout/multi_turn.py, docs/rollout.md)."""
+    """Multi-turn tool rollouts (issue 40; rollout/orchestration/multi_turn.py, docs/rollout.md)."""
 
     title = "multi-turn tools"
     tools: list[str] | None = opt(None, "multi-turn tool rollouts with these tools: python (runs "
                                   "the model's code in the sandbox) and/or user tools by "
                                   "import path pkg.mod:fn (a function with a JSON schema, "
-                                  "@megatron_klear.rollout.tools.tool); the model calls them "
+                                  "@megatron_klear.rollout.orchestration.tools.tool); the model calls them "
                                   "across turns, tool tokens are not trained")
     tool_parser: str = opt("hermes", "how tool calls are written: hermes = qwen3 "
                            "(<tool_call>{json}</tool_call>), or an import path pkg.mod:fn")
@@ -94,7 +94,7 @@ class ToolFlags(Section):
 def check_tools_chat_template(tokenizer: Any, multi_turn: MultiTurnConfig | None) -> None:
     """The CLIs' pre-flight of ``--tools`` with the loaded tokenizer: ConfigError (one line,
     exit 2) when its chat template cannot render tool turns
-    (rollout/multi_turn.py ``check_tool_template``); nothing without tools."""
+    (rollout/orchestration/multi_turn.py ``check_tool_template``); nothing without tools."""
     if multi_turn is None:
         return
     try:

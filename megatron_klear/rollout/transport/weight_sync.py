@@ -43,7 +43,7 @@ stages' source ranks may sit on different nodes, so each hosts its store at an a
 own node (:func:`stage_master_addr`: ``--weight-sync-master-addr`` where this node owns it).
 
 Correctness probe: :meth:`WeightSync.probe` asks every server for the logprobs of a fixed
-sequence and returns the max |server - trainer|; :mod:`megatron_klear.rollout.probe` runs it
+sequence and returns the max |server - trainer|; :mod:`megatron_klear.rollout.transport.probe` runs it
 after a sync (those ``--probe-interval`` names), in either placement
 (``weight_sync/probe_max_abs_diff``).
 """
@@ -64,17 +64,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_klear import platform
-from megatron_klear.rollout.client import RolloutClient, RolloutError
+from megatron_klear.rollout.orchestration.client import RolloutClient, RolloutError
 from megatron_klear.distributed import free_port
-from megatron_klear.rollout.update_group import (UpdateGroup, dtype_name, is_local_address,
-                                                 open_update_group, routable_address)
+from megatron_klear.rollout.transport.update_group import (UpdateGroup, dtype_name,
+                                                           is_local_address, open_update_group,
+                                                           routable_address)
 
 __all__ = ["WeightSync", "WeightSyncError", "iter_buckets", "aligned_order", "plan_bucket",
            "adjacent_runs", "MIN_DIRECT_BYTES",
            "Bucket", "TensorSpec", "rank_layout", "lowest_cpu_priority",
            "update_backend", "stage_master_addr"]
 
-log = logging.getLogger("megatron_klear.rollout.weight_sync")
+log = logging.getLogger("megatron_klear.rollout.transport.weight_sync")
 
 # the first bucket is this fraction of bucket_bytes: the wire waits only for its short pack,
 # later buckets are packed while the previous one is on the wire
@@ -626,7 +627,7 @@ class WeightSync:
         (asked now, or answered already: ``server_logprobs``, from :meth:`request_probe`).
 
         Not collective: call it where ``trainer_logprobs`` live (the last PP stage), e.g.
-        with :func:`~megatron_klear.rollout.probe.trainer_sequence_logprobs`.
+        with :func:`~megatron_klear.rollout.transport.probe.trainer_sequence_logprobs`.
         """
         ref = trainer_logprobs.detach().double().flatten().cpu()
         diffs = []

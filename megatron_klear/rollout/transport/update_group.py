@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from megatron_klear import platform
+from megatron_klear import virtual_cuda
 
 __all__ = ["UpdateGroup", "open_update_group", "DTYPES", "parse_dtype", "routable_address",
            "is_local_address"]
@@ -103,7 +103,7 @@ class UpdateGroup:
         until then)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        with platform.host_collective() if self.backend == "gloo" else contextlib.nullcontext():
+        with virtual_cuda.host_collective() if self.backend == "gloo" else contextlib.nullcontext():
             work = self.pg.broadcast([tensor], opts)
         if async_op:
             return work

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron_klear.import_path import load_callable
-from megatron_klear.rewards.sandbox import SandboxJob, SandboxLimits, run_python
-from megatron_klear.rollout.tool_calls import ToolCall
+from megatron_klear.rewards.sandbox import PYTHON_SCHEMA, SandboxJob, SandboxLimits, \
+    run_python
+from megatron_klear.rollout.orchestration.tool_calls import ToolCall
 
 __all__ = ["Tool", "ToolResult", "tool", "load_tool", "python_tool", "run_tool_call",
            "PYTHON_SCHEMA"]
@@ -61,7 +62,7 @@ def _schema_name(schema: Any, where: str) -> str:
     if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
         raise ValueError(f"{where}: its schema must look like {{\"type\": \"function\", "
                          "\"function\": {\"name\": ..., \"parameters\": {...}}} (use the "
-                         "megatron_klear.rollout.tools.tool decorator)")
+                         "megatron_klear.rollout.orchestration.tools.tool decorator)")
     return fn["name"]
 
 
@@ -71,13 +72,6 @@ def load_tool(path: str) -> Tool:
     fn = load_callable(path, "tool")
     schema = getattr(fn, "schema", None)
     return Tool(_schema_name(schema, f"tool {path!r}"), schema, fn)
-
-
-PYTHON_SCHEMA = {"type": "function", "function": {
-    "name": "python",
-    "description": "Run a Python program and see what it prints (stdout, then stderr).",
-    "parameters": {"type": "object", "properties": {"code": {
-        "type": "string", "description": "the program"}}, "required": ["code"]}}}
 
 
 def python_tool(limits: SandboxLimits | None = None) -> Tool:

@@ -1,6 +1,6 @@
 """Colocated weight sync: the trainer passes its weights to engines on its own GPUs by handle.
 
-:class:`TensorWeightSync` is :class:`~megatron_klear.rollout.weight_sync.WeightSync` with
+:class:`TensorWeightSync` is :class:`~megatron_klear.rollout.transport.weight_sync.WeightSync` with
 another transport: the same export (``hf_bridge.export_views``: the one Megatron -> HF
 mapping), the same bucket plan (``plan_bucket``/``aligned_order``: SGLang's flattened,
 aligned layout), the same session (pause, flush, ``/begin_weight_update`` ...
@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_klear import platform
-from megatron_klear.rollout.tensor_handles import release_buffer, serialize_bucket, \
+from megatron_klear.rollout.transport.tensor_handles import release_buffer, serialize_bucket, \
     shared_buffer
-from megatron_klear.rollout.weight_sync import Bucket, WeightSync, WeightSyncError, _agree
+from megatron_klear.rollout.transport.weight_sync import Bucket, WeightSync, WeightSyncError, _agree
 
 __all__ = ["TensorWeightSync", "HANDLES", "engine_ranks"]
 

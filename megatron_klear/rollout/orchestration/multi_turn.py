@@ -6,8 +6,8 @@ Per prompt, ``n`` trajectories run turn by turn, all active ones batched per tur
 1. the engine samples an assistant turn from the exact ids so far (``input_ids``, never
    text), until it ends its turn (stop) or a token limit;
 2. the turn's text (decoded only to read it) is parsed for tool calls in the model's format
-   (rollout/tool_calls.py); no call: the trajectory ends with the answer;
-3. the calls run (rollout/tools.py; errors, timeouts and floods become messages) and their
+   (rollout/orchestration/tool_calls.py); no call: the trajectory ends with the answer;
+3. the calls run (rollout/orchestration/tools.py; errors, timeouts and floods become messages) and their
    responses, as role ``tool`` messages, are appended as the chat template renders them:
    the conversation with the new messages is rendered, and the tokens after the
    assistant's end of turn are taken (:func:`tool_response_ids`, which checks that the
@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from megatron_klear.data.prompts import PromptSample, chat_template_kwargs
-from megatron_klear.rollout.client import SamplingParams, sample_seed
-from megatron_klear.rollout.pipeline import RolloutContext, Sample, limit_prompt, \
+from megatron_klear.rollout.orchestration.client import SamplingParams, sample_seed
+from megatron_klear.rollout.orchestration.pipeline import RolloutContext, limit_prompt, \
     register_stage
-from megatron_klear.rollout.tool_calls import ParsedTurn, ToolCall, ToolParser, parse_hermes
-from megatron_klear.rollout.tools import Tool, ToolResult, run_tool_call
+from megatron_klear.rollout.orchestration.tool_calls import (ParsedTurn, ToolCall, ToolParser,
+                                                             parse_hermes)
+from megatron_klear.rollout.orchestration.tools import Tool, ToolResult, run_tool_call
+from megatron_klear.samples import Sample
 
 __all__ = ["MultiTurnConfig", "Trajectory", "generate_tool_turns", "tool_response_ids",
            "sampled_turn_end", "check_tool_template", "turn_request_seed", "ToolTemplateError",

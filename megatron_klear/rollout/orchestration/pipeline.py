@@ -18,8 +18,9 @@ or import path (``--rollout-stages filter=pkg.mod:fn``), as rewards are replaced
 - advantages ``(ctx, samples) -> samples``: sets ``advantage`` (built-in ``grpo``).
 
 Stages read their settings from the :class:`RolloutContext` and add timings to its
-``stats``. The rounds, prompt accounting and the trainer's batch live in train/rl_data.py
-(``collect_batch``); this module knows nothing of the trainer.
+``stats``. The rounds and prompt accounting live in train/rl_data.py (``collect_batch``);
+:class:`Sample` and the trainer's :class:`~megatron_klear.samples.RolloutBatch` live at the
+bottom (megatron_klear/samples.py); this module knows nothing of the trainer.
 """
 
 from __future__ import annotations
@@ -37,40 +38,12 @@ from megatron_klear.import_path import Registry
 from megatron_klear.rewards import score_batch
 from megatron_klear.rewards.remote import RemoteReward
 from megatron_klear.rewards.shaping import OverlongShaping
-from megatron_klear.rollout.client import RolloutClient, SamplingParams
+from megatron_klear.rollout.orchestration.client import RolloutClient, SamplingParams
+from megatron_klear.samples import Sample
 
-__all__ = ["Sample", "RolloutContext", "RolloutPipeline", "build_pipeline", "register_stage",
+__all__ = ["RolloutContext", "RolloutPipeline", "build_pipeline", "register_stage",
            "get_stage", "generate_responses", "score_samples", "drop_truncated",
            "drop_flat_groups", "grpo_advantages", "limit_prompt", "STAGE_KINDS"]
-
-
-@dataclass
-class Sample:
-    """One sampled response to one prompt, as it goes through the stages."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]      # the engine's log-prob of each response token
-    loss_mask: list[int]               # per response token: 1 = the model's own, trained
-    finish_reason: str                 # the engine's: stop, length, abort, ...
-    prompt_index: int                  # the prompt's index in its dataset
-    group: int                         # its prompt's position in the generate call
-    label: Any = None                  # the reward's reference (answer, tests)
-    prompt_text: str = ""
-    response_text: str = ""
-    routed_experts: torch.Tensor | None = None  # MoE routing replay: flat expert ids
-    reward: float = 0.0
-    advantage: float = 0.0
-    kept: bool = True                  # False: filtered out of the loss and the group stats
-    metadata: dict[str, Any] = field(default_factory=dict)  # free for user stages
-    # multi-turn rollouts: the turns, tool calls and outputs, why it ended
-    # (rollout/multi_turn.py Trajectory); None for single-turn samples
-    trajectory: Any = None
-
-    @property
-    def truncated(self) -> bool:
-        """The response hit the token limit instead of ending (no EOS)."""
-        return self.finish_reason == "length"
 
 
 @dataclass
@@ -89,7 +62,7 @@ class RolloutContext:
     prompt_limit: tuple[int, str] | None = None  # (max tokens, left | error | off)
     remote: RemoteReward | None = None
     overlong: OverlongShaping | None = None
-    multi_turn: Any = None             # rollout/multi_turn.py MultiTurnConfig (tools, limits)
+    multi_turn: Any = None             # rollout/orchestration/multi_turn.py MultiTurnConfig (tools, limits)
     stats: dict[str, float] = field(default_factory=dict)
 
     def add_stat(self, key: str, value: float) -> None:

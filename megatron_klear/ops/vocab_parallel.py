@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_klear.algo.losses import (ERC_MAX_LOG_RATIO, SEQUENCE_LOSSES, aggregate,
-                                        check_loss_args, erc_band, erc_metrics,
-                                        per_token_policy_loss, policy_metrics)
+from megatron_klear.ops.loss_math import (ERC_MAX_LOG_RATIO, SEQUENCE_LOSSES, aggregate,
+                                          check_loss_args, erc_band, erc_metrics,
+                                          per_token_policy_loss, policy_metrics)
 
 __all__ = ["PolicyLossOutput", "vocab_parallel_policy_loss", "vocab_parallel_logprobs",
            "available_backends", "resolve_backend"]
@@ -314,8 +314,8 @@ def vocab_parallel_policy_loss(
     needed after backward). ERC (``entropy_ratio_clip`` = delta, or the band ``erc_low`` /
     ``erc_high``) needs ``old_entropy``, the behaviour policy's per-token entropy at the same
     temperature. ``reduction="none"`` returns the per-token losses (shaped like the targets,
-    unmasked) for the caller to aggregate (:func:`~megatron_klear.algo.losses.aggregate_rl_loss`).
-    See :func:`megatron_klear.algo.losses.policy_loss` for the losses.
+    unmasked) for the caller to aggregate (:func:`~megatron_klear.ops.loss_math.aggregate_rl_loss`).
+    See :func:`megatron_klear.ops.loss_math.policy_loss` for the losses.
     """
     check_loss_args(loss_type, dual_clip, entropy_ratio_clip, erc_low, erc_high)
     if reduction not in ("mean", "none"):
@@ -355,7 +355,7 @@ def vocab_parallel_policy_loss(
                                           entropy_ratio_clip=entropy_ratio_clip,
                                           erc_low=erc_low, erc_high=erc_high, **per_seq)
         log_ratio = logp - old
-        if erc:   # the clamp of ERC's code (algo/losses.py ERC_MAX_LOG_RATIO)
+        if erc:   # the clamp of ERC's code (ops/loss_math.py ERC_MAX_LOG_RATIO)
             log_ratio = log_ratio.clamp(-ERC_MAX_LOG_RATIO, ERC_MAX_LOG_RATIO)
         ratio = torch.exp(log_ratio).detach()
     metrics = policy_metrics(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from megatron_klear import platform
-from megatron_klear.rollout.qwen3_decode import ONEDNN_MIN_ROWS, FusedWeights, KVCache, \
+from megatron_klear.rollout.engine.qwen3_decode import ONEDNN_MIN_ROWS, FusedWeights, KVCache, \
     check_supported, forward
-from megatron_klear.rollout.sampling import (RowSettings, SamplingParams, find_stop_string,
-                                             sample_next, seeded_uniforms, token_logprobs)
+from megatron_klear.rollout.engine.sampling import (RowSettings, find_stop_string, sample_next,
+                                                    seeded_uniforms, token_logprobs)
+from megatron_klear.rollout.orchestration.request import SamplingParams
 
 __all__ = ["Sequence", "Generator"]
 

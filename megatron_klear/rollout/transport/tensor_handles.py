@@ -26,7 +26,7 @@ CUDA tensors are pickled with SGLang's device-UUID reduction applied on the send
 (``monkey_patch_torch_reductions``, sglang/srt/utils/patch_torch.py): the handle names its
 GPU by UUID, not by this process's index, so an engine that numbers its GPUs otherwise
 (``CUDA_VISIBLE_DEVICES``) maps the right one, and one that does not see it refuses it
-("Invalid device_uuid"). A tensor of the strict virtual-CUDA mode (platform.py: host memory
+("Invalid device_uuid"). A tensor of the strict virtual-CUDA mode (megatron_klear/virtual_cuda.py: host memory
 that plays a GPU) travels as its host handle wrapped in :func:`rebuild_virtual_cuda_tensor`
 with its virtual GPU's UUID, which the embedded server checks the same way (real SGLang
 never receives one: the strict mode runs against the embedded server only).
@@ -46,7 +46,7 @@ import torch.multiprocessing as torch_mp
 from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions
 
-from megatron_klear import platform
+from megatron_klear import platform, virtual_cuda
 
 __all__ = ["FlattenedTensorMetadata", "serialize_bucket", "deserialize", "bucket_tensors",
            "shared_buffer", "release_buffer", "rebuild_virtual_cuda_tensor", "SGLANG_METADATA"]
@@ -78,7 +78,7 @@ def _reduce_tensor(t: torch.Tensor):
     if fn is reductions.rebuild_cuda_tensor:
         args = (*args[:_CUDA_DEVICE_ARG], platform.gpu_uuid(args[_CUDA_DEVICE_ARG]),
                 *args[_CUDA_DEVICE_ARG + 1:])
-    elif platform.is_virtual_cuda(t):
+    elif virtual_cuda.is_virtual_cuda(t):
         return rebuild_virtual_cuda_tensor, (platform.gpu_uuid(t.device.index), fn, args)
     return fn, args
 
@@ -133,7 +133,7 @@ def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if buf.untyped_storage().device.type == "cpu":
         with _file_system_sharing():
-            platform.share_memory(buf)
+            virtual_cuda.share_memory(buf)
         buf.untyped_storage()._shared_incref()
     return buf
 

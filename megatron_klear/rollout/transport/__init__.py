@@ -1,0 +1,1 @@
+"""Weight transport: trainer weights into rollout servers (update group, tensor handles, probe)."""
