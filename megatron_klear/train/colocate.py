@@ -6,7 +6,8 @@ A step (issue 31), each hand-over a barrier over the trainer ranks so that no si
 before the other has freed:
 
 1. rollout (the trainer is offloaded: the engines hold weights and KV cache);
-2. the engines release their memory, KV cache then weights (``/release_memory_occupation``);
+2. the engines release their memory, KV cache, weights, CUDA graphs
+   (``/release_memory_occupation``);
 3. the trainer's parameters, gradients and optimizer state come back (onload);
 4. the training step; the trainer's log-probs of the probe sequence are taken now, with the
    weights about to be sent (the probe compares the engines against them after step 8);
@@ -14,11 +15,11 @@ before the other has freed:
 6. the engines resume their weights (``/resume_memory_occupation``, tag ``weights``);
 7. the weights go over as tensor handles (:class:`TensorWeightSync`), from the parameters,
    which are offloaded right after: the parameters leave last, since the sync reads them;
-8. the engines resume their KV cache; the probe asks them.
+8. the engines resume their KV cache and CUDA graphs; the probe asks them.
 
-A checkpoint save (:meth:`Colocation.trainer_resident`) releases the engines' KV cache, brings
-the trainer back, saves, offloads it and resumes the KV cache; the run's end
-(:meth:`Colocation.close`) releases the KV cache for good before the trainer comes back for
+A checkpoint save (:meth:`Colocation.trainer_resident`) releases the engines' KV cache (and
+CUDA graphs), brings the trainer back, saves, offloads it and resumes them; the run's end
+(:meth:`Colocation.close`) releases them for good before the trainer comes back for
 the HF export. The engines' weights stay through both (8B plan, docs/memory.md: the save
 phase holds the trainer's state and the engines' weights, not their 60 GiB of KV cache).
 
@@ -38,10 +39,14 @@ import torch.distributed as dist
 
 from megatron_klear.train.offload import TrainerOffload
 
-__all__ = ["Colocation", "RELEASE_ORDER", "ENGINE_MEMORY", "engine_memory_state",
+__all__ = ["Colocation", "RELEASE_ORDER", "ROLLOUT_TAGS", "ENGINE_MEMORY", "engine_memory_state",
            "release_launched_engines"]
 
-RELEASE_ORDER = ("kv_cache", "weights")  # SGLang's tags, in the order the engines free them
+# SGLang's tags, in the order the engines free them: all three, as slime releases them (its
+# CUDA graphs' memory too, which torch_memory_saver tags cuda_graph; sglang/srt/constants.py
+# GPU_MEMORY_ALL_TYPES), resumed weights first (the sync), then KV cache with CUDA graphs
+RELEASE_ORDER = ("kv_cache", "weights", "cuda_graph")
+ROLLOUT_TAGS = ("kv_cache", "cuda_graph")  # what rollout needs beyond the weights
 # The engines' released tags per --rollout-engine-memory. SGLang 0.5.23 cannot be asked (its
 # offload_tags stay inside the scheduler, sglang/srt/managers/scheduler_components/
 # weight_updater.py), so the state is given by whoever started the engines, never assumed:
@@ -83,7 +88,8 @@ class Colocation:
     the engines). ``client``: a RolloutClient of the engines (rank 0; None elsewhere).
 
     The engines' memory is known at every moment (:attr:`released`, given at the start --
-    ``released``, checked where an engine reports it -- then tracked): a tag is released only while held and resumed only while released,
+    ``released``, checked where an engine reports it -- then tracked): a tag is released
+    only while held and resumed only while released,
     since SGLang with ``--enable-memory-saver`` ends the engine otherwise. The trainer's
     peak device bytes of each phase are measured (``torch.cuda.max_memory_allocated``; the
     strict virtual-CUDA mode counts them on CPU) and reported as
@@ -139,11 +145,12 @@ class Colocation:
         self._peaks = self._enter(phase)
 
     def release_engines(self) -> None:
-        """The engines release what they hold of KV cache, then weights (nothing twice)."""
+        """The engines release what they hold of KV cache, weights, CUDA graphs (nothing
+        twice)."""
         self._release(RELEASE_ORDER)
 
     def before_train(self) -> dict[str, float]:
-        """Steps 2-3: engines release KV cache then weights; the trainer comes back."""
+        """Steps 2-3: engines release KV cache, weights, CUDA graphs; the trainer comes back."""
         metrics = self._enter("train")
         t0 = time.perf_counter()
         self.release_engines()
@@ -175,7 +182,7 @@ class Colocation:
         t2 = time.perf_counter()
         self.offload.offload("params")
         metrics.update(self._enter("rollout"))
-        self._resume(("kv_cache",))
+        self._resume(ROLLOUT_TAGS)
         metrics.update({"time/colocate_before_sync_s": t1 - t0,
                         "time/colocate_after_sync_s": time.perf_counter() - t2,
                         "colocate/offloaded_bytes": float(self.offload.nbytes)})
@@ -191,7 +198,7 @@ class Colocation:
         (their weights stay: they are the synced ones): the plan's ``save`` phase, whose
         peak is reported with the next step's metrics."""
         was, before = self.offload.offloaded, self.phase
-        self._release(("kv_cache",))
+        self._release(ROLLOUT_TAGS)
         self._note("save")
         if was:
             self.offload.onload()
@@ -202,11 +209,11 @@ class Colocation:
                 self.offload.offload()
             self._note(before)
             if before == "rollout":
-                self._resume(("kv_cache",))
+                self._resume(ROLLOUT_TAGS)
 
     def close(self) -> None:
         """Bring the trainer back (export, checkpoints after the loop) with the engines' KV
         cache released (they serve no more rollouts; their weights stay)."""
-        self._release(("kv_cache",))
+        self._release(ROLLOUT_TAGS)
         if self.offload.offloaded:
             self.offload.onload()

@@ -138,6 +138,9 @@ def test_tensor_handles_and_release_resume_on_real_sglang(servers, sglang_model)
     url = servers.urls[1]
     client = RolloutClient([url], request_timeout_s=120)
     before = torch.tensor(client.prompt_logprobs(PROBE_IDS)[0])
+    # any tag name is taken (offload_tags.add; nothing paused), as the embedded server takes it
+    assert _post(url, "/release_memory_occupation", {"tags": ["bogus"]}) == (200, None)
+    assert _post(url, "/resume_memory_occupation", {"tags": ["bogus"]}) == (200, None)
     for path, tag in [("/release_memory_occupation", "kv_cache"),
                       ("/release_memory_occupation", "weights"),
                       ("/resume_memory_occupation", "weights")]:
@@ -182,9 +185,11 @@ def test_klear_rl_colocated_on_real_sglang(servers, sglang_model, prompts, tmp_p
     hist = run_distributed(_rl_train, 2, args, timeout=600)[0]
     _check_run(hist, 2)
     assert all(m["colocate/offloaded_bytes"] > 0 for m in hist)
-    # the run ends with the KV cache released (Colocation.close); the module's later tests
-    # generate on this server: a resume of a released tag is SGLang's rule too
-    assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]}) == (200, None)
+    # the run ends with the KV cache and CUDA graphs released (Colocation.close); the
+    # module's later tests generate on this server: a resume of a released tag is SGLang's
+    # rule too
+    assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}) == \
+        (200, None)
 
 
 def test_server_with_tp_size_2(sglang_model, prompts, tmp_path, servers):
