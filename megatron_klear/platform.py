@@ -70,7 +70,7 @@ from megatron_klear.heap import keep_freed_memory
 __all__ = ["Platform", "setup", "cuda_available", "device", "backend", "batch_p2p_comm",
            "is_emulated", "host_only_section", "host_collective", "is_virtual_cuda", "share_memory",
            "gpu_uuid", "gpu_index_of_uuid", "DeviceMismatchError", "ipc_shared", "ipc_limbo_bytes",
-           "ipc_shared_count", "STRICT_ENV",
+           "ipc_shared_count", "pinned_buffer", "pinned_bytes", "STRICT_ENV",
            "VIRTUAL_MEMORY_ENV"]
 
 STRICT_ENV = "KLEAR_STRICT_DEVICES"
@@ -340,21 +340,58 @@ _TAGS = _DeviceTags()
 
 class _PinnedStorages:
     """Emulated page-locked host memory: the storages made by ``pin_memory()`` or a factory
-    with ``pin_memory=True`` (CUDA-less torch refuses both: "no pinned memory allocator")."""
+    with ``pin_memory=True`` (CUDA-less torch refuses both: "no pinned memory allocator"),
+    and the exact ones of :func:`pinned_buffer`. The pinned bytes are counted as CUDA torch
+    pins them: its caching host allocator (aten/src/ATen/core/CachingHostAllocator.h) rounds
+    each allocation up to a power of two and keeps a freed block cached for a later one of
+    the same size; a registered plain allocation pins exactly its bytes."""
 
     def __init__(self) -> None:
         self.pinned: dict[int, weakref.ref] = {}
+        self.exact = self.cached = 0  # bytes: registered exact buffers; torch's host cache
+        self.in_use: dict[int, int] = {}  # torch-pinned storage -> its rounded block
+        self.free_blocks: dict[int, int] = {}  # rounded block size -> cached free blocks
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         storage = _DeviceTags._storage(t)
         ref = self.pinned.get(id(storage)) if storage is not None else None
         return ref is not None and ref() is storage
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
+    def _track(self, t: torch.Tensor, on_free) -> None:
         storage = _DeviceTags._storage(t)
         if storage is not None:
             key = id(storage)
-            self.pinned[key] = weakref.ref(storage, lambda _, k=key: self.pinned.pop(k, None))
+            self.pinned[key] = weakref.ref(storage, lambda _, k=key: on_free(k))
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s storage pinned through torch's caching host allocator."""
+        storage = _DeviceTags._storage(t)
+        if storage is not None:
+            block = 1 << max(storage.nbytes() - 1, 0).bit_length()
+            if self.free_blocks.get(block):
+                self.free_blocks[block] -= 1  # a cached block of that size is reused
+            else:
+                self.cached += block
+            self.in_use[id(storage)] = block
+            self._track(t, self._freed)
+        return t
+
+    def _freed(self, key: int) -> None:
+        self.pinned.pop(key, None)
+        block = self.in_use.pop(key, None)
+        if block is not None:  # back to the cache: still pinned
+            self.free_blocks[block] = self.free_blocks.get(block, 0) + 1
+
+    def pin_exact(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s storage pinned as a registered plain allocation: exactly its bytes."""
+        nbytes = t.untyped_storage().nbytes()
+        self.exact += nbytes
+
+        def freed(key: int, n: int = nbytes) -> None:
+            self.pinned.pop(key, None)
+            self.exact -= n
+
+        self._track(t, freed)
         return t
 
 
@@ -393,6 +430,31 @@ def share_memory(t: torch.Tensor) -> torch.Tensor:
     if virtual:
         _TAGS.set(t, True)
     return t
+
+
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 host buffer of ``nbytes`` pinned exactly: a plain allocation registered with
+    CUDA (``cudaHostRegister``), not torch's caching host allocator, which rounds each
+    allocation up to a power of two and keeps it (up to 2x the bytes asked for). Pinned for
+    the buffer's life (unregistered by a finalizer of its storage's Python object, which
+    torch deallocates with the storage; unverified on a GPU). Without CUDA: plain host
+    memory (pinned by the emulation in strict device mode). CUDA branch not run on a GPU."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+    if cuda_available():
+        if nbytes:
+            cudart, ptr = torch.cuda.cudart(), buf.data_ptr()
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+            weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, ptr)
+        return buf
+    return _PINNED.pin_exact(buf) if _strict() else buf
+
+
+def pinned_bytes() -> int:
+    """Strict mode: host bytes pinned now, as CUDA torch would hold them (exact buffers of
+    :func:`pinned_buffer`, plus torch's host cache: every power-of-two block it made)."""
+    return _PINNED.exact + _PINNED.cached
 
 
 def ipc_shared(t: torch.Tensor) -> None:

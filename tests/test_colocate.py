@@ -19,6 +19,7 @@ from tests.rollout_helpers import load_reference, make_tiny_model, reference_log
 from tests.test_rl import hf_model, prompts  # noqa: F401 (fixtures)
 from tests.test_weight_sync import PROBE_IDS, SYNCED_TOL, _hf_bytes, _post
 from tests.virtual_cuda import run_strict
+from megatron_klear.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,10 @@ def test_release_resume_and_update_from_tensor(model_dir):
 
     with launch_embedded_servers(model_dir, 1) as servers:
         url = servers.urls[0]
-        assert _post(url, "/release_memory_occupation", {"tags": ["bogus"]})[0] == 400
+        # a tag SGLang does not know is taken into its offload_tags, nothing paused (issue 51)
+        assert _post(url, "/release_memory_occupation", {"tags": ["bogus"]}) == (200, None)
+        assert _post(url, "/resume_memory_occupation", {"tags": ["bogus"]}) == (200, None)
+        assert _post(url, "/release_memory_occupation", {"tags": "kv_cache"})[0] == 400
         for tag in ("kv_cache", "weights"):
             code, reply = _post(url, "/release_memory_occupation", {"tags": [tag]})
             assert (code, reply) == (200, None)
@@ -239,7 +243,8 @@ def test_colocated_run_as_the_launch_script_starts_it(model_dir, prompts, tmp_pa
         held = {u: i["memory_released"] for u, i in RolloutClient(servers.urls).server_info()
                 .items()}
     assert alive == [True, True]
-    assert set(map(tuple, held.values())) == {("kv_cache",)}  # close(): KV released for good
+    # close(): KV cache and CUDA graphs released for good (issue 51: cuda_graph as slime)
+    assert set(map(tuple, held.values())) == {("cuda_graph", "kv_cache")}
     assert len(hist) == 2 and (tmp_path / "ck" / "iter_0000001").is_dir()
     gib = 2**30
     for m in hist:
@@ -280,24 +285,28 @@ def _plan(argv: list[str]):
     return SimpleNamespace(trainer=peak.total, save_state=peak.params + peak.grads + peak.optimizer)
 
 
+_SAVE_CFG = TrainConfig(bf16=True, use_distributed_optimizer=True, train_iters=1,
+                        global_batch_size=1, micro_batch_size=1)
+
+
 def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:
     """Colocation's save and close against an embedded engine holding weights and KV cache
     (as after a sync), and a handle of this rank's virtual GPU sent to engines on GPU 0 and
     GPU 1."""
-    from megatron_klear.config import TrainConfig
+    from megatron_klear import platform
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.rollout.tensor_handles import serialize_bucket, shared_buffer
     from megatron_klear.train.colocate import ENGINE_MEMORY, Colocation
     from megatron_klear.train.engine import build_engine
 
     arch = qwen3_config_from_hf(load_hf_config(hf))
-    eng = build_engine(TrainConfig(bf16=True, use_distributed_optimizer=True, train_iters=1,
-                                   global_batch_size=1, micro_batch_size=1), arch)
+    eng = build_engine(_SAVE_CFG, arch)
     client = RolloutClient(urls[:1])
     info = lambda: client.server_info()[urls[0]]["memory_released"]  # noqa: E731
     colo = Colocation(eng, client, ENGINE_MEMORY["launched"])  # a fresh engine: holding
     out = {"start": info()}
     colo.offload.offload()  # after a sync: the trainer offloaded, the engine holds everything
+    out["pinned"] = platform.pinned_bytes()  # as CUDA torch would pin them (platform.py)
     offloaded = torch.cuda.memory_allocated()
     with colo.trainer_resident():
         out["in_save"] = info()
@@ -310,8 +319,6 @@ def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:
     flat = shared_buffer(8, torch.device("cuda"))
     payload = {"serialized_named_tensors": [serialize_bucket(
         flat, [("model.norm.weight", (2,), torch.float32, 0)])], "load_format": "flattened_bucket"}
-    from megatron_klear import platform  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
-
     platform._TAGS.limit = torch.cuda.memory_allocated() + 1024
     try:
         torch.empty(4096, dtype=torch.uint8, device="cuda")
@@ -334,9 +341,19 @@ def test_saves_and_the_end_release_the_engines_kv_cache(model_dir):
     The virtual GPU refuses an allocation beyond its size, as CUDA's allocator does."""
     with launch_embedded_servers(model_dir, 2) as servers:
         r = run_strict(_save_phase, 1, str(model_dir), servers.urls, timeout=300)[0]
-    assert r["start"] == [] and r["in_save"] == ["kv_cache"] and r["after_save"] == []
+    assert r["start"] == [] and r["in_save"] == ["cuda_graph", "kv_cache"]
+    assert r["after_save"] == []
     assert r["save_bytes"] == r["state_bytes"] > 0 and r["after_save_bytes"] == 0
-    assert r["after_close"] == ["kv_cache"] and r["onloaded"]
+    assert r["after_close"] == ["cuda_graph", "kv_cache"] and r["onloaded"]
+    # issue 51, defect 5: what the offload pins is the dry run's pinned bytes per rank (the
+    # arena pins exactly; one power-of-two block per storage pinned 1.3x here)
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.memory import Workload, plan_host, plan_memory
+
+    work = Workload(_SAVE_CFG.seq_length)
+    plan = plan_memory(qwen3_config_from_hf(load_hf_config(model_dir)), _SAVE_CFG, 1, work)
+    planned = plan_host(plan, work, 1, colocate=True).pinned_per_rank
+    assert abs(r["pinned"] - planned) <= 0.1 * planned, (r["pinned"], planned)
     assert "CUDA out of memory (virtual GPU cuda:0)" in r["oom"]
     gpu0, gpu1 = (r[u] for u in servers.urls)
     assert gpu0[0] == 400 and "model.norm.weight" in gpu0[1]["message"]  # mapped, wrong shape
@@ -412,6 +429,7 @@ def _sync_layouts(rank: int, world: int, hf: str, urls: list[str], pids: list[in
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.rollout.tensor_sync import TensorWeightSync
     from megatron_klear.train.engine import build_engine
+    from megatron_klear.train.memory import SYNC_BUCKETS
 
     arch = qwen3_config_from_hf(load_hf_config(hf))
     eng = build_engine(TrainConfig(train_iters=1, global_batch_size=2, micro_batch_size=1), arch)
@@ -421,12 +439,15 @@ def _sync_layouts(rank: int, world: int, hf: str, urls: list[str], pids: list[in
         sync.connect()
         if name == "first_dead" and rank == 0:
             os.kill(pids[0], signal.SIGKILL)
-        shared = platform.ipc_shared_count()
+        shared, before = platform.ipc_shared_count(), torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         try:
             sync.sync(weight_version="1")
             out[name] = "ok"
         except Exception as exc:  # noqa: BLE001 - the failure is the result
             out[name] = f"{type(exc).__name__}: {exc}"
+        out[name + "_held"] = torch.cuda.max_memory_allocated() - before
+        out[name + "_plan"] = SYNC_BUCKETS * max(sync.bucket_sizes, default=0)
         out[name + "_shared"] = platform.ipc_shared_count() - shared
         out[name + "_limbo"] = platform.ipc_limbo_bytes()
         sync.close()
@@ -439,7 +460,7 @@ def test_tensor_sync_shares_only_what_engines_receive_and_collects_it(model_dir)
     would leak its block); no rank leaves a freed shared block uncollected after a sync
     (``ipc_collect`` behind a barrier); with engines on GPUs 0 and 1, the first dead, the
     survivor still gets GPU 1's handles (mapped by UUID, not by the live engines' order:
-    else "Invalid device_uuid")."""
+    else "Invalid device_uuid"); a sending rank holds no more than the plan's sync phase."""
     with launch_embedded_servers(model_dir, 2) as servers:
         r = run_strict(_sync_layouts, 2, str(model_dir), servers.urls,
                        [p.pid for p in servers.procs], timeout=600)
@@ -448,6 +469,10 @@ def test_tensor_sync_shares_only_what_engines_receive_and_collects_it(model_dir)
     assert [x["first_dead"] for x in r] == ["ok", "ok"], r
     assert r[0]["first_dead_shared"] == 0 and r[1]["first_dead_shared"] > 0
     assert [(x["one_engine_limbo"], x["first_dead_limbo"]) for x in r] == [(0, 0), (0, 0)]
+    # what a sending rank holds is the plan's sync phase: SYNC_BUCKETS buckets, each dropped
+    # one collected at once (else the limbo grows to the whole model by the sync's end)
+    for x, sending in zip(r, ("one_engine", "first_dead")):
+        assert 0 < x[sending + "_held"] <= x[sending + "_plan"], x
 
 
 def test_engines_that_report_their_memory_are_checked_against_the_flag(model_dir):
@@ -461,8 +486,10 @@ def test_engines_that_report_their_memory_are_checked_against_the_flag(model_dir
     with launch_embedded_servers(model_dir, 1) as servers:
         client = RolloutClient(servers.urls)
         with pytest.raises(RuntimeError, match=r"has released \[\], but the run was told "
-                                               r"\['kv_cache', 'weights'\]"):
+                                               r"\['cuda_graph', 'kv_cache', 'weights'\]"):
             engine_memory_state(client, ENGINE_MEMORY["released"])
         release_launched_engines(servers.urls)
-        assert engine_memory_state(client, ENGINE_MEMORY["released"]) == {"kv_cache", "weights"}
-        assert client.server_info()[servers.urls[0]]["memory_released"] == ["kv_cache", "weights"]
+        assert engine_memory_state(client, ENGINE_MEMORY["released"]) == {
+            "cuda_graph", "kv_cache", "weights"}
+        assert client.server_info()[servers.urls[0]]["memory_released"] == [
+            "cuda_graph", "kv_cache", "weights"]

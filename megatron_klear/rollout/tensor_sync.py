@@ -31,8 +31,11 @@ block whose handle was sent stays allocated in torch's "sent data limbo"
 (torch/csrc/CudaIPCTypes.cpp; torch's multiprocessing notes on CUDA sharing) until
 ``torch.cuda.ipc_collect()``, which ``empty_cache()`` does not do: after the last bucket every
 rank drops its buffers, passes a barrier (every engine has answered every bucket), then
-collects and empties the cache, as slime does. No buffer outlives the sync, so none is on the
-GPU during rollout or training (the plan's sync phase holds 2 x bucket, train/memory.py).
+collects and empties the cache, as slime does; a bucket's block dropped within the sync is
+collected as it is dropped, so the limbo never holds more than the buffers in flight. A rank
+holds at most three buckets' buffers (bucket k+2 is packed before bucket k's reply is known
+to every rank): the plan's sync phase counts 3 x bucket (train/memory.py). No buffer
+outlives the sync, so none is on the GPU during rollout or training.
 
 A bucket is always packed, never sent from parameter memory: sharing a CPU parameter's
 storage would move it into shared memory (its address changes under the optimizer), so
@@ -184,6 +187,8 @@ class TensorWeightSync(WeightSync):
                         error, inflight = exc, None
                 if len(kept) > 2:
                     release_buffer(kept.popleft())
+                    if self.device.type == "cuda":  # bucket k's block out of the IPC limbo
+                        torch.cuda.ipc_collect()  # (freed once the engine has unmapped it)
             if inflight is not None and error is None:
                 try:
                     sent += self._finish(inflight)
