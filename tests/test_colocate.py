@@ -346,7 +346,7 @@ def test_saves_and_the_end_release_the_engines_kv_cache(model_dir):
     assert r["save_bytes"] == r["state_bytes"] > 0 and r["after_save_bytes"] == 0
     assert r["after_close"] == ["cuda_graph", "kv_cache"] and r["onloaded"]
     # issue 51, defect 5: what the offload pins is the dry run's pinned bytes per rank (the
-    # arena pins exactly; one power-of-two block per storage pinned 1.3x here)
+    # arena pins exactly; one power-of-two block per storage pinned 1.15x here)
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.train.memory import Workload, plan_host, plan_memory
 
@@ -493,3 +493,32 @@ def test_engines_that_report_their_memory_are_checked_against_the_flag(model_dir
             "cuda_graph", "kv_cache", "weights"}
         assert client.server_info()[servers.urls[0]]["memory_released"] == [
             "cuda_graph", "kv_cache", "weights"]
+
+
+def _gpu_smoke_colocated(rank: int, world: int, model: str, urls: list[str], tmp: str) -> list:
+    """tests/gpu/colocate_smoke.py's ``colocated_run`` (what gpu_check.py's colocate step
+    runs after starting its engine) as it runs on a GPU: the probe of each sync."""
+    from pathlib import Path
+
+    from megatron_klear.rollout.probe import PROBE_METRIC
+    from tests.gpu.colocate_smoke import colocated_run
+    from tests.virtual_cuda import virtual_cuda_kernels
+
+    with virtual_cuda_kernels():  # --loss-backend auto takes the (emulated) CUDA kernels
+        got = colocated_run(urls, Path(model), Path(tmp), BF16_PROBE_TOL)
+    return [m.get(PROBE_METRIC) for m in got["history"]]
+
+
+def test_gpu_colocate_smoke_runs_on_the_strict_twin(model_dir, tmp_path):
+    """Issue 51: the GPU scripts' colocated run (release and resume of a fresh engine, then
+    ``klear-rl --colocate --rollout-engine-memory launched``, bf16, two syncs with a probe
+    each) under the strict virtual-CUDA mode against an embedded engine, with the same
+    engine calls it makes on a GPU: defect 1 (handles refused) and defect 2 (engines assumed
+    released: the run refused, or the engine ended at the first resume) fail it on CPU. Only
+    the free-memory reading is a GPU's (it reads 0 here)."""
+    with launch_embedded_servers(model_dir, 1) as servers:
+        probes = run_strict(_gpu_smoke_colocated, 1, str(model_dir), servers.urls,
+                            str(tmp_path), timeout=900)[0]
+        alive = servers.procs[0].poll() is None
+    assert alive and len(probes) == 2
+    assert all(p is not None and p < BF16_PROBE_TOL for p in probes), probes
