@@ -582,7 +582,8 @@ def check_host_fits(host: HostPlan, cfg) -> None:
     if cfg.host_memory_gb is None or host.total <= cfg.host_memory_gb * GiB:
         return
     raise ConfigError(f"host memory plan: {host.total / GiB:.1f} GiB per node "
-                      f"({host.pinned / GiB:.1f} pinned: {host.pinned_per_rank / GiB:.1f} per rank x {host.ranks_per_node} "
+                      f"({host.pinned / GiB:.1f} pinned: {host.pinned_per_rank / GiB:.1f} per rank "
+                      f"x {host.ranks_per_node} "
                       f"ranks) does not fit --host-memory-gb {cfg.host_memory_gb:g}; spread the "
                       "ranks over more nodes (fewer per node) or run on hosts with more memory")
 

@@ -126,7 +126,8 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
                                for i in range(8)))
     hist = train(parse_config(RLConfig, [
         "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--colocate",
-        "--rollout-urls", *urls, "--rollout-engine-memory", "launched", "--reward", "math", "--rollout-batch-size", "4",
+        "--rollout-urls", *urls, "--rollout-engine-memory", "launched", "--reward", "math",
+        "--rollout-batch-size", "4",
         "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
         "--rollout-max-response-len", "16", "--no-dynamic-sampling", "--bf16",
         "--use-distributed-optimizer", "--train-iters", "2", "--probe-interval", "1",
