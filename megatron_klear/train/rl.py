@@ -27,6 +27,7 @@ from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_
 from megatron_klear.data.prompts import parse_chat_template_kwargs
 from megatron_klear.samples import RolloutBatch
 from megatron_klear.train.async_rollout import RolloutSource
+from megatron_klear.train.colocate import release_launched_engines
 from megatron_klear.train.engine import Engine
 from megatron_klear.train.learning_signal import LearningSignalMonitor
 from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
@@ -48,6 +49,8 @@ def train(cfg: RLConfig) -> list[dict]:
                                parse_chat_template_kwargs(cfg.chat_template_kwargs))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
+    if cfg.rollout_engine_memory == "launched":  # released before the model is built
+        release_launched_engines(cfg.rollout_urls)
     run = start_run(cfg, arch, "consumed_prompts")
     engine = run.engine
     reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \

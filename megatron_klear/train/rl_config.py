@@ -325,6 +325,12 @@ class ColocationFlags(Section):
     sglang_mem_fraction_static: float = opt(0.85, "SGLang's --mem-fraction-static of the rollout "
                                             "engines: the share of GPU memory for their weights "
                                             "and KV cache (the --dry-run plan budgets it)")
+    rollout_engine_memory: str | None = opt(
+        None, "with --colocate --rollout-urls: the engines' memory as they are handed over -- "
+        "launched (as python -m sglang.launch_server leaves them, holding weights and KV cache: "
+        "the trainer releases them before it builds its model) or released (a launch script "
+        "released kv_cache and weights); required there, checked against engines that report "
+        "it; docs/rollout.md", choices=("launched", "released"))
     sglang_tp_size: int = opt(1, "TP size of each rollout engine; with --colocate one engine runs "
                               "per this many GPUs (embedded servers on CPU: one per this many "
                               "ranks) and the --dry-run plan shards their weights by it")
@@ -336,8 +342,18 @@ class ColocationFlags(Section):
                               f"{self.sglang_mem_fraction_static}")
         if self.sglang_tp_size < 1:
             raise ConfigError(f"--sglang-tp-size must be >= 1, got {self.sglang_tp_size}")
-        if not self.colocate:
-            return
+        if not self.colocate or not self.rollout_urls:
+            if self.rollout_engine_memory is not None:
+                raise ConfigError("--rollout-engine-memory applies only with --colocate and "
+                                  "--rollout-urls (engines this run did not start); drop it")
+            if not self.colocate:
+                return
+        elif self.rollout_engine_memory is None:
+            raise ConfigError("--colocate --rollout-urls needs --rollout-engine-memory: launched "
+                              "(engines as python -m sglang.launch_server starts them; the "
+                              "trainer releases them) or released (kv_cache and weights "
+                              "released, as run_rl_colocate.sh did before issue 51); a wrong "
+                              "guess ends SGLang's scheduler at the first release or resume")
         if self.rollout_num_servers is not None:
             raise ConfigError("--rollout-num-servers does not apply with --colocate: one engine "
                               "runs per --sglang-tp-size ranks; drop it")

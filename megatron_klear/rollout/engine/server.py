@@ -198,7 +198,7 @@ class RolloutServer:
         """
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded server")
-        if self.released:
+        if self.released & set(MEMORY_TAGS):
             raise RequestError(f"memory released (tags {sorted(self.released)}): POST "
                                "/resume_memory_occupation before generating")
         prompts, batched = self._prompts(body)
@@ -484,10 +484,12 @@ class RolloutServer:
         return web.json_response({"success": True, "message": message})
 
     def _memory_tags(self, body: dict) -> list[str]:
+        """The request's tags, none meaning all three. Any other string is taken as SGLang
+        takes it: into its ``offload_tags``, with nothing to pause or resume."""
         tags = body.get("tags") or list(MEMORY_TAGS)
-        if not (isinstance(tags, list) and set(tags) <= set(MEMORY_TAGS)):
-            raise RequestError(f"tags={tags!r}: expected a list of {list(MEMORY_TAGS)} "
-                               "(SGLang's names) or none for all")
+        if not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise RequestError(f"tags={tags!r}: expected a list of tag names ({list(MEMORY_TAGS)} "
+                               "are SGLang's) or none for all")
         return tags
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
@@ -498,7 +500,7 @@ class RolloutServer:
         if self.running or (self.pending and self.resumed.is_set()):
             raise RequestError("release_memory_occupation should be called only when server "
                                "is idle.")
-        again = [t for t in tags if t in self.released]
+        again = [t for t in tags if t in self.released and t in MEMORY_TAGS]  # paused twice
         if again:
             _end_engine(f"release_memory_occupation{again}: Cannot pause allocation that is "
                         "not active (torch_memory_saver; the tags were released already)")
