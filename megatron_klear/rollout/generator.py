@@ -119,13 +119,21 @@ class Generator:
 
     ``device``: where the weights, the KV cache and the forward live (``cpu``; ``cuda`` for
     the GPU check's colocated hand-over, tests/gpu/gpu_check.py); sampling stays on the host
-    (the last logits are copied there each step), so its numbers do not depend on it."""
+    (the last logits are copied there each step), so its numbers do not depend on it.
+
+    ``batch_invariant``: :meth:`run_batch` decodes every sequence alone, so a sequence's
+    tokens and log-probs are the same whatever other sequences came in its batch: a batched
+    forward's numbers depend on the batch (the left padding a row gets changes the length,
+    so the order, of its attention reductions; the row count picks oneDNN's and MKL's
+    kernels), measured in docs/rollout.md. It costs the batching's speed."""
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 load_format: str = "auto", device: str = "cpu") -> None:
+                 load_format: str = "auto", device: str = "cpu",
+                 batch_invariant: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
+        self.batch_invariant = batch_invariant
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if load_format == "dummy":  # SGLang's --load-format dummy: random weights, no file reads
             config = AutoConfig.from_pretrained(self.model_dir)
@@ -191,7 +199,12 @@ class Generator:
         ``abort`` set finishes every unfinished sequence with reason ``abort``; ``retract`` set
         (a ``retract`` pause, as SGLang's) drops the KV cache when decoding resumes and
         prefills prompt + tokens so far again with the weights loaded meanwhile.
+        ``batch_invariant``: one sequence after the other, each its own batch.
         """
+        if self.batch_invariant and len(seqs) > 1:
+            for s in seqs:
+                self.run_batch([s], abort, running, retract)
+            return
         self._capturing = any(s.want_routed_experts for s in seqs)
         ids, logits, pos, cache = self._prefill(seqs)
         self._fill_input_logprobs(seqs, ids, logits)

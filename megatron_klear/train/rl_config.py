@@ -61,6 +61,10 @@ class RolloutFlags(Section):
     rollout_num_servers: int | None = opt(None, "embedded servers to start when no "
                                           "--rollout-urls (default: one per core of this node, "
                                           "at most 4; each decodes on cores / servers threads)")
+    deterministic_rollout: bool = opt(False, "embedded servers decode batch-invariantly: each "
+                                      "sequence alone, so its tokens and log-probs do not depend "
+                                      "on the batch or server that served it (slower; "
+                                      "docs/rollout.md)")
 
     def validate_section(self) -> None:  # noqa: D102
         for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
