@@ -396,19 +396,21 @@ def _timeless(rows: list[dict]) -> list[dict]:
 
 
 def test_same_run_same_numbers_under_load_delays_and_server_count(hf_model, prompts, tmp_path):
-    """--deterministic-rollout: a 2-step run gives bitwise-equal metrics (losses, rewards,
+    """--deterministic-rollout --true-on-policy-mode: a 2-step run gives bitwise-equal metrics (losses, rewards,
     rollout log-probs, the probe) run plain on the default servers, and again on 3 servers
     (1 thread each) whose replies are delayed at random (server.REPLY_DELAY_ENV) beside two
     busy cores. Without the flag the rollout log-probs (train/mismatch_abs_logprob) differ:
-    a batched forward's numbers depend on the batch a sequence shares (docs/rollout.md)."""
+    a batched forward's numbers depend on the batch a sequence shares (docs/rollout.md). The
+    weight-sync probe reads exactly 0.0 after each sync (without the on-policy mode ~5e-6)."""
     import multiprocessing
 
+    from megatron_klear.rollout.probe import PROBE_METRIC
     from megatron_klear.rollout.server import REPLY_DELAY_ENV
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save, *extra: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
                                 *_rl_args(hf_model, prompts, save, 2, "--deterministic-rollout",
-                                          *extra)]
+                                          "--true-on-policy-mode", *extra)]
     subprocess.run(cli(tmp_path / "plain"), check=True, env=env, capture_output=True)
     load = [multiprocessing.get_context("fork").Process(target=_busy, args=(120,), daemon=True)
             for _ in range(2)]
@@ -424,6 +426,8 @@ def test_same_run_same_numbers_under_load_delays_and_server_count(hf_model, prom
                      for d in ("plain", "loaded"))
     assert len(plain) == 2 and "train/mismatch_abs_logprob" in plain[0]
     assert loaded == plain
+    # --true-on-policy-mode: the servers' log-probs are the trainer's after every sync (TP=1)
+    assert [r[PROBE_METRIC] for r in plain] == [0.0, 0.0]
 
 
 def test_killed_async_run_resumes_exactly(hf_model, prompts, tmp_path):

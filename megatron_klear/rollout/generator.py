@@ -125,15 +125,18 @@ class Generator:
     tokens and log-probs are the same whatever other sequences came in its batch: a batched
     forward's numbers depend on the batch (the left padding a row gets changes the length,
     so the order, of its attention reductions; the row count picks oneDNN's and MKL's
-    kernels), measured in docs/rollout.md. It costs the batching's speed."""
+    kernels), measured in docs/rollout.md. It costs the batching's speed. ``on_policy``: the
+    forward rounds as the trainer's megatron forward does (q/k norm and rotary embedding as
+    separate ops), so a prefill's log-probs equal the trainer's bit for bit at TP=1."""
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  load_format: str = "auto", device: str = "cpu",
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, on_policy: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
         self.batch_invariant = batch_invariant
+        self.on_policy = on_policy
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if load_format == "dummy":  # SGLang's --load-format dummy: random weights, no file reads
             config = AutoConfig.from_pretrained(self.model_dir)
@@ -272,7 +275,7 @@ class Generator:
             if self._fused is None and self._fuses():
                 self._fused = FusedWeights(self.model)
             return forward(self.model, ids.to(self.device), positions.to(self.device), cache,
-                           all_logits, self._fused).cpu()
+                           all_logits, self._fused, fused_rope=not self.on_policy).cpu()
 
     def _fuses(self) -> bool:
         """Whether the forward runs fused projections: an fp32 CPU model where oneDNN's

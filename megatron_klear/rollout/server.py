@@ -649,6 +649,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--enable-batch-invariant", action="store_true",
                    help="decode each sequence alone (no padding, one row per forward), so its "
                         "tokens and log-probs do not depend on the batch it came in (slower)")
+    p.add_argument("--rl-on-policy-target", choices=["megatron"], default=None,
+                   help="round the forward as the trainer's does (SGLang's flag for true "
+                        "on-policy RL): fp32 prefill log-probs equal megatron's at TP=1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model computes (SGLang's flag; cuda: the GPU check's "
@@ -670,7 +673,8 @@ def _load_generator(args: argparse.Namespace) -> Generator:
     try:
         return Generator(args.model, seed=args.seed, dtype=getattr(torch, args.dtype),
                          load_format=args.load_format, device=args.device,
-                         batch_invariant=args.enable_batch_invariant)
+                         batch_invariant=args.enable_batch_invariant,
+                         on_policy=args.rl_on_policy_target == "megatron")
     except (OSError, ValueError, KeyError) as exc:
         raise SystemExit(f"--model {args.model}: cannot load a Qwen3 model ({exc})") from exc
 

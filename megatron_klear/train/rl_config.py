@@ -65,6 +65,9 @@ class RolloutFlags(Section):
                                       "sequence alone, so its tokens and log-probs do not depend "
                                       "on the batch or server that served it (slower; "
                                       "docs/rollout.md)")
+    true_on_policy_mode: bool = opt(False, "embedded servers round their forward as the "
+                                    "trainer's (fp32): the weight-sync probe reads exactly 0 at "
+                                    "TP=1 (docs/rollout.md)")
 
     def validate_section(self) -> None:  # noqa: D102
         for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
