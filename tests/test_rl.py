@@ -488,6 +488,17 @@ def test_share_prompts_refused_where_its_tree_mask_cannot_run(bad):
         parse_config(RLConfig, base + bad)
 
 
+@pytest.mark.parametrize("flag", ["--deterministic-rollout", "--true-on-policy-mode"])
+def test_embedded_server_modes_refused_with_rollout_urls(flag):
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.train.rl import RLConfig
+
+    base = ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", flag]
+    assert parse_config(RLConfig, base)
+    with pytest.raises(ConfigError, match=flag):
+        parse_config(RLConfig, base + ["--rollout-urls", "http://127.0.0.1:1"])
+
+
 def test_probe_interval_names_the_probed_steps():
     """--probe-interval K probes the first sync of a process (a fresh run's step 1, a
     resume's first step) and every K-th step; --no-probe-weights none; K < 1 is refused."""

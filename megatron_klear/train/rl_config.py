@@ -78,6 +78,12 @@ class RolloutFlags(Section):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name, server_flag in (("deterministic_rollout", "--enable-batch-invariant"),
+                                  ("true_on_policy_mode", "--rl-on-policy-target megatron")):
+            if getattr(self, name) and self.rollout_urls:
+                raise ConfigError(f"--{name.replace('_', '-')} sets up the embedded servers this "
+                                  "run starts, not --rollout-urls: drop --rollout-urls, or start "
+                                  f"embedded servers there with {server_flag}")
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple"
                               f" of --mini-batch-size {self.mini_batch_size}")
