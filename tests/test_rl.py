@@ -396,12 +396,13 @@ def _timeless(rows: list[dict]) -> list[dict]:
 
 
 def test_same_run_same_numbers_under_load_delays_and_server_count(hf_model, prompts, tmp_path):
-    """--deterministic-rollout --true-on-policy-mode: a 2-step run gives bitwise-equal metrics (losses, rewards,
-    rollout log-probs, the probe) run plain on the default servers, and again on 3 servers
-    (1 thread each) whose replies are delayed at random (server.REPLY_DELAY_ENV) beside two
-    busy cores. Without the flag the rollout log-probs (train/mismatch_abs_logprob) differ:
-    a batched forward's numbers depend on the batch a sequence shares (docs/rollout.md). The
-    weight-sync probe reads exactly 0.0 after each sync (without the on-policy mode ~5e-6)."""
+    """--deterministic-rollout --true-on-policy-mode: a 2-step run gives bitwise-equal metrics
+    (losses, rewards, rollout log-probs, the probe) run plain on the default servers, and again
+    on 3 servers (1 thread each) whose replies are delayed at random (server.REPLY_DELAY_ENV)
+    beside two busy cores. Without --deterministic-rollout the rollout log-probs
+    (train/mismatch_abs_logprob) differ: a batched forward's numbers depend on the batch a
+    sequence shares (docs/rollout.md). The weight-sync probe reads exactly 0.0 after each sync
+    (without the on-policy mode ~5e-6)."""
     import multiprocessing
 
     from megatron_klear.rollout.probe import PROBE_METRIC

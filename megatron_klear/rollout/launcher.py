@@ -176,7 +176,8 @@ def launch_embedded_servers(model_dir: str | Path, num_servers: int = 1, *,
                             log_dir: str | Path | None = None, dtype: str = "float32",
                             load_format: str = "auto", num_threads: int = 1,
                             return_routed_experts: bool = False, batch_invariant: bool = False,
-                            on_policy: bool = False, startup_timeout_s: float = 120.0) -> RolloutServers:
+                            on_policy: bool = False,
+                            startup_timeout_s: float = 120.0) -> RolloutServers:
     """Start ``num_servers`` embedded CPU servers (server i gets seed + i) and wait for /health.
 
     They run with ``--enable-deterministic-inference``: seeded requests are reproducible;

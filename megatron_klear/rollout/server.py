@@ -57,6 +57,7 @@ import os
 import pickle
 import random
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -85,15 +86,17 @@ REPLY_DELAY_ENV = "MEGATRON_KLEAR_TEST_REPLY_DELAY"
 
 
 def _reply_delays(server_seed: int) -> Callable[[], float] | None:
-    """The seeded delay draws of :data:`REPLY_DELAY_ENV` (None when unset); SystemExit names a
-    bad value."""
+    """The seeded delay draws of :data:`REPLY_DELAY_ENV` (None when unset); a bad value exits
+    2 naming it."""
     value = os.environ.get(REPLY_DELAY_ENV)
     if not value:
         return None
     try:
         seed, max_s = (float(x) for x in value.split(":"))
     except ValueError:
-        raise SystemExit(f"{REPLY_DELAY_ENV}={value!r}: expected SEED:MAX_SECONDS, e.g. 0:0.5")
+        print(f"error: {REPLY_DELAY_ENV}={value!r}: expected SEED:MAX_SECONDS, e.g. 0:0.5",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     rng = random.Random(int(seed) * 1000 + server_seed)
     return lambda: rng.uniform(0.0, max_s)
 
