@@ -145,7 +145,9 @@ def rollout_servers(cfg: RLConfig) -> Iterator[Any]:
             if cfg.colocate else cfg.rollout_num_servers,  # colocated: one per engine TP group
             async_share(len(os.sched_getaffinity(0))) if cfg.async_rollout else None)
         with launch_embedded_servers(cfg.hf_checkpoint, count, seed=cfg.seed, num_threads=threads,
-                                     return_routed_experts=cfg.use_routing_replay) as servers:
+                                     return_routed_experts=cfg.use_routing_replay,
+                                     batch_invariant=cfg.deterministic_rollout,
+                                     on_policy=cfg.true_on_policy_mode) as servers:
             broadcast_batch(servers.urls)
             yield servers
     else:

@@ -61,6 +61,13 @@ class RolloutFlags(Section):
     rollout_num_servers: int | None = opt(None, "embedded servers to start when no "
                                           "--rollout-urls (default: one per core of this node, "
                                           "at most 4; each decodes on cores / servers threads)")
+    deterministic_rollout: bool = opt(False, "embedded servers decode batch-invariantly: each "
+                                      "sequence alone, so its tokens and log-probs do not depend "
+                                      "on the batch or server that served it (slower; "
+                                      "docs/rollout.md)")
+    true_on_policy_mode: bool = opt(False, "embedded servers round their forward as the "
+                                    "trainer's (fp32): the weight-sync probe reads exactly 0 at "
+                                    "TP=1 (docs/rollout.md)")
 
     def validate_section(self) -> None:  # noqa: D102
         for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
@@ -71,6 +78,12 @@ class RolloutFlags(Section):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name, server_flag in (("deterministic_rollout", "--enable-batch-invariant"),
+                                  ("true_on_policy_mode", "--rl-on-policy-target megatron")):
+            if getattr(self, name) and self.rollout_urls:
+                raise ConfigError(f"--{name.replace('_', '-')} sets up the embedded servers this "
+                                  "run starts, not --rollout-urls: drop --rollout-urls, or start "
+                                  f"embedded servers there with {server_flag}")
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple"
                               f" of --mini-batch-size {self.mini_batch_size}")
