@@ -408,8 +408,8 @@ def test_same_run_same_numbers_under_load_delays_and_server_count(hf_model, prom
     (without the on-policy mode ~5e-6)."""
     import multiprocessing
 
-    from megatron_klear.rollout.probe import PROBE_METRIC
-    from megatron_klear.rollout.server import REPLY_DELAY_ENV
+    from megatron_klear.rollout.transport.probe import PROBE_METRIC
+    from megatron_klear.rollout.engine.server import REPLY_DELAY_ENV
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save, *extra: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731

@@ -435,7 +435,7 @@ def test_batch_invariant_sequence_alone_equals_in_any_batch(model_dir, reference
     decoded alone and in mixed batches (other prompts of other lengths before and after it,
     finishing at other steps). Without it the batched forward changes its log-probs (left
     padding, row counts: the cause this flag removes)."""
-    from megatron_klear.rollout.generator import Generator, Sequence
+    from megatron_klear.rollout.engine.generator import Generator, Sequence
 
     _, tok = reference
     params = SamplingParams(max_new_tokens=16, temperature=1.0,
