@@ -47,11 +47,19 @@ def servers(models):
 
 def test_teacher_scores_response_tokens_as_transformers(models, servers):
     """The prefill-only request returns the teacher's log-prob of each response token (the
-    entry of the prompt's last token skipped), equal to transformers' in fp32."""
-    from megatron_klear.rollout.orchestration.teacher import TeacherClient
+    entry of the prompt's last token skipped), equal to transformers' in fp32; the server's
+    reply has SGLang's shape: one entry per token from logprob_start_len, the first None."""
+    from megatron_klear.rollout.orchestration.client import RolloutClient
+    from megatron_klear.rollout.orchestration.teacher import TeacherClient, prefill_request
 
     batch = fixed_rollout_batch([1.0, 0.0, 0.0, 1.0], seed=3)
     pairs = list(zip(batch.prompt_ids, batch.response_ids))
+    p, r = pairs[0]
+    (reply,) = RolloutClient([servers["teacher"]]).post_balanced("/generate",
+                                                                 [prefill_request(p, r)])
+    entries = reply["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == [p[-1], *r] and entries[0][0] is None
+    assert reply["output_ids"] == []  # prefill only
     got = TeacherClient([servers["teacher"]]).logprobs(pairs)
     hf, _ = load_reference(models["teacher"])
     for (p, r), lps in zip(pairs, got):
