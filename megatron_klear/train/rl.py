@@ -93,7 +93,6 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
     teacher = None
     if cfg.use_opd and torch.distributed.get_rank() == 0:  # rank 0 collects the batches
         teacher = TeacherClient(cfg.opd_teacher_urls)
-        teacher.flush()  # nothing cached before this run is reused
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
                                 params, cfg.reward, cfg.part(DynamicSamplingFlags),
                                 prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),

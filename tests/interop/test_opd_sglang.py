@@ -36,7 +36,6 @@ def test_sglang_teacher_logprobs_match_transformers(teacher, sglang_model):
     entries = reply["meta_info"]["input_token_logprobs"]
     assert entries[0][0] is None and [e[1] for e in entries] == [pairs[0][0][-1], *pairs[0][1]]
     client = TeacherClient([teacher], request_timeout_s=120)
-    client.flush()
     first = client.logprobs(pairs)
     for (p, r), lps in zip(pairs, first):
         want = reference_logprobs(model, p + r)[-len(r):].float()

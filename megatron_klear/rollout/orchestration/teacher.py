@@ -11,15 +11,18 @@ the first are the response tokens' log-probs given everything before them. SGLan
 from the unscaled logits (sglang/srt/layers/logprob_processor.py), i.e. at temperature 1,
 whatever ``sampling_params.temperature`` says; the flags refuse another teacher temperature.
 
-Prefix cache: the teacher's weights never change during a run, so a cached prefix is never
-stale from this run's own requests; :meth:`TeacherClient.flush` empties the teacher's cache
-once when the run connects, so nothing cached before (another model version behind the same
-URL) is reused.
+Prefix cache: keyed, not flushed. Every request of one :class:`TeacherClient` carries its own
+``cache_salt`` (SGLang's cache namespace, sglang/srt/managers/io_struct.py
+``GenerateReqInput.cache_salt``), so the teacher reuses only prefixes this client computed, with
+the weights it scores with (a teacher's weights do not change during a run); nothing cached
+before (another model version behind the same URL, another client) is reused. A flush would
+do the same only while the teacher is idle: SGLang refuses ``/flush_cache`` when busy.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Sequence
 
 from megatron_klear.rollout.orchestration.client import RolloutClient, RolloutError
@@ -28,9 +31,12 @@ from megatron_klear.samples import Sample
 __all__ = ["TeacherClient", "prefill_request", "response_logprobs"]
 
 
-def prefill_request(prompt_ids: Sequence[int], response_ids: Sequence[int]) -> dict:
-    """The prefill-only /generate body that scores ``response_ids`` after ``prompt_ids``."""
-    return {"input_ids": list(prompt_ids) + list(response_ids), "return_logprob": True,
+def prefill_request(prompt_ids: Sequence[int], response_ids: Sequence[int],
+                    cache_salt: str | None = None) -> dict:
+    """The prefill-only /generate body that scores ``response_ids`` after ``prompt_ids``
+    (``cache_salt``: the prefix-cache namespace it may reuse entries of)."""
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    return {**salt, "input_ids": list(prompt_ids) + list(response_ids), "return_logprob": True,
             "logprob_start_len": max(len(prompt_ids) - 1, 0),
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}}
 
@@ -54,15 +60,13 @@ class TeacherClient:
 
     def __init__(self, urls: Sequence[str], **client: Any) -> None:
         self.client = RolloutClient(list(urls), **client)
-
-    def flush(self) -> None:
-        """Empty the teacher's prefix cache (GET /flush_cache on every teacher server)."""
-        self.client.get_all("/flush_cache")
+        self.cache_salt = f"klear-opd-{uuid.uuid4().hex}"  # this client's cache namespace
 
     def logprobs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[float]]:
         """The teacher's log-prob of each response token of each (prompt, response) pair."""
         replies = self.client.post_balanced("/generate",
-                                            [prefill_request(p, r) for p, r in pairs])
+                                            [prefill_request(p, r, self.cache_salt)
+                                             for p, r in pairs])
         return [response_logprobs(reply, p, r) for reply, (p, r) in zip(replies, pairs)]
 
     def score(self, samples: list[Sample]) -> float:
