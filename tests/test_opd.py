@@ -205,3 +205,53 @@ def test_bad_teachers_and_flags_exit_2_with_one_line(models, servers, capsys, mo
         _exits_2_with_one_line(argv, wants, capsys)
     rl.main([*opd, servers["teacher"], "--dry-run"])
     assert '"dry_run"' in capsys.readouterr().out
+
+
+def test_killed_gppo_opd_run_resumes_bitwise(models, servers, tmp_path):
+    """GPPO + OPD with a served teacher, SIGKILLed after its second step and resumed: every
+    step's loss, reverse KL, rewards and prompts equal an uninterrupted run's; some step mixes
+    both signals (the teacher's share strictly between 0 and 1)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say something about {i}.",
+                                           "answer": "x"}) + "\n" for i in range(12)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def cli(save):
+        return [sys.executable, "-m", "megatron_klear.train.rl", "--hf-checkpoint",
+                str(models["student"]), "--prompt-data", str(prompts), "--save", str(save),
+                "--reward", "tests.reward_plugins:parity_reward", "--use-opd",
+                "--opd-teacher-urls", servers["teacher"], "--opd-kl-coef", "0.5",
+                "--rollout-batch-size", "2", "--mini-batch-size", "2",
+                "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
+                "--rollout-max-response-len", "8", "--lr", "1e-3", "--train-iters", "4",
+                "--seed", "3", "--no-progress-bar", "--save-interval", "1"]
+
+    ref_run = subprocess.Popen(cli(tmp_path / "ref"), env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert ref_run.wait(timeout=400) == 0, ref_run.stderr.read()[-3000:]
+    subprocess.run(cli(tmp_path / "run"), check=True, env=env, capture_output=True)
+    ref = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")}
+    got = {r["step"]: r for r in read_metrics(metrics)}
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    for step in ref:
+        for key in ("train/loss", "train/opd_reverse_kl", "train/opd_teacher_logprob",
+                    "rollout/reward_mean", "data/prompt_indices"):
+            assert got[step][key] == ref[step][key], (step, key)
+    assert any(0 < r["train/opd_teacher_share"] < 1 for r in ref.values())
