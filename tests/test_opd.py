@@ -48,7 +48,8 @@ def servers(models):
 def test_teacher_scores_response_tokens_as_transformers(models, servers):
     """The prefill-only request returns the teacher's log-prob of each response token (the
     entry of the prompt's last token skipped), equal to transformers' in fp32; the server's
-    reply has SGLang's shape: one entry per token from logprob_start_len, the first None."""
+    reply has SGLang's shape: one entry per token from logprob_start_len, the first None, of
+    the unscaled logits whatever the request's temperature."""
     from megatron_klear.rollout.orchestration.client import RolloutClient
     from megatron_klear.rollout.orchestration.teacher import TeacherClient, prefill_request
 
@@ -60,6 +61,9 @@ def test_teacher_scores_response_tokens_as_transformers(models, servers):
     entries = reply["meta_info"]["input_token_logprobs"]
     assert [e[1] for e in entries] == [p[-1], *r] and entries[0][0] is None
     assert reply["output_ids"] == []  # prefill only
+    hot = {**prefill_request(p, r), "sampling_params": {"max_new_tokens": 0, "temperature": 0.5}}
+    (reply_hot,) = RolloutClient([servers["teacher"]]).post_balanced("/generate", [hot])
+    assert reply_hot["meta_info"]["input_token_logprobs"] == entries  # unscaled, as SGLang's
     got = TeacherClient([servers["teacher"]]).logprobs(pairs)
     hf, _ = load_reference(models["teacher"])
     for (p, r), lps in zip(pairs, got):
