@@ -25,6 +25,7 @@ from megatron_klear.rollout.orchestration.request import SamplingParams
 from megatron_klear.rollout.orchestration.tool_flags import ToolFlags, check_tools_chat_template
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
+from megatron_klear.train.opd_flags import OPDFlags
 from megatron_klear.train.rl_data import DynamicSamplingFlags
 
 
@@ -384,7 +385,7 @@ class ColocationFlags(Section):
 
 
 @dataclass
-class RLConfig(ToolFlags, ColocationFlags, EvalFlags, WeightSyncFlags, MicroBatchFlags,
+class RLConfig(OPDFlags, ToolFlags, ColocationFlags, EvalFlags, WeightSyncFlags, MicroBatchFlags,
                PolicyLossFlags, RewardFlags, AsyncRolloutFlags, DynamicSamplingFlags,
                RolloutStageFlags, SamplingFlags, RolloutFlags, PromptFlags, TrainConfig):
     """GPPO RL settings (plus every shared trainer flag). Defaults follow Klear-Reasoner."""

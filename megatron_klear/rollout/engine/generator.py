@@ -302,12 +302,14 @@ class Generator:
 
     def _fill_input_logprobs(self, seqs: list[Sequence], ids: torch.Tensor,
                              logits: torch.Tensor) -> None:
-        """Logprob of prompt token j given tokens < j (j >= 1), for sequences that ask."""
+        """Logprob of prompt token j given tokens < j (j >= 1), for sequences that ask: of
+        the unscaled logits, whatever the request's temperature, as SGLang's
+        (sglang/srt/layers/logprob_processor.py applies no temperature to input logprobs)."""
         for row, s in enumerate(seqs):
             if not s.want_input_logprobs or len(s.prompt_ids) < 2:
                 continue
             start = ids.shape[1] - len(s.prompt_ids)
-            temp = torch.tensor([s.cfg.temperature] * (len(s.prompt_ids) - 1))
+            temp = torch.ones(len(s.prompt_ids) - 1)
             lp = token_logprobs(logits[row, start:-1], temp)
             targets = ids[row, start + 1:]
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()

@@ -209,8 +209,13 @@ class RolloutServer:
 
     @staticmethod
     def _input_logprobs(s: Sequence, start: int) -> list[list]:
+        """SGLang's ``input_token_logprobs``: one entry per prompt token from ``start`` on,
+        the first one's logprob None whatever ``start`` is
+        (sglang/srt/managers/scheduler_components/logprob_result_processor.py
+        ``_process_input_token_logprobs``: ``[None] + input_token_logprobs[:-1]``)."""
         lps = [None] + s.input_logprobs
-        return [[lps[j], s.prompt_ids[j], None] for j in range(start, len(s.prompt_ids))]
+        return [[None if j == start else lps[j], s.prompt_ids[j], None]
+                for j in range(start, len(s.prompt_ids))]
 
     # ------------------------------------------------------------------ /generate
     def parse_generate(self, body: dict) -> _Request:
