@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_klear.ops.loss_math import per_token_policy_loss, sequence_mean
-from megatron_klear.ops import vocab_parallel_policy_loss
+from megatron_klear.ops import PolicyLossSpec, vocab_parallel_policy_loss
 
 D = torch.float64
 
@@ -59,9 +59,9 @@ def test_fused_logprobs_path_matches_spec(backend):
     adv = torch.tensor([1.0, -1.0])[:, None].expand(2, 7).contiguous()
     mask = (torch.rand(2, 7, generator=g) > 0.2).float()
     ids = torch.arange(2)[:, None].expand(2, 7)
-    out = vocab_parallel_policy_loss(logits, targets, old, adv, mask, loss_type="gspo",
-                                     eps_low=3e-3, eps_high=4e-3, sequence_ids=ids,
-                                     backend=backend)
+    out = vocab_parallel_policy_loss(logits, targets, old, adv, mask,
+                                     PolicyLossSpec("gspo", eps_low=3e-3, eps_high=4e-3),
+                                     sequence_ids=ids, backend=backend)
     out.loss.backward()
     logp = torch.log_softmax(logits.detach().double(), -1).gather(-1, targets[..., None])[..., 0]
     logp.requires_grad_(True)
@@ -71,4 +71,4 @@ def test_fused_logprobs_path_matches_spec(backend):
     want = (spec * mask.double().flatten()).sum() / mask.sum()
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-5)
     with pytest.raises(ValueError, match="needs sequence_ids"):
-        vocab_parallel_policy_loss(logits, targets, old, adv, mask, loss_type="gspo")
+        vocab_parallel_policy_loss(logits, targets, old, adv, mask, PolicyLossSpec("gspo"))

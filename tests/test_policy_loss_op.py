@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_klear.ops import vocab_parallel as op_module
-from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
+from megatron_klear.ops import PolicyLossSpec, vocab_parallel_logprobs, vocab_parallel_policy_loss
 from tests.cuda_emu import backend_for
 from tests.policy_loss_cases import (FUSED, HAND_SETTINGS, assert_match, hand_table,
                                      make_inputs, run_hand_table, run_op)
@@ -135,13 +135,15 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match="loss_mask must be shaped like the targets"):
         vocab_parallel_policy_loss(*args[:4], torch.ones(2, 2))
     with pytest.raises(ValueError, match="unknown policy loss"):
-        vocab_parallel_policy_loss(*args, loss_type="grpo")
+        vocab_parallel_policy_loss(*args, PolicyLossSpec(loss_type="grpo"))
     with pytest.raises(ValueError, match="entropy_ratio_clip needs old_entropy"):
-        vocab_parallel_policy_loss(*args, entropy_ratio_clip=0.05)
+        vocab_parallel_policy_loss(*args, PolicyLossSpec(entropy_ratio_clip=0.05))
     with pytest.raises(ValueError, match="entropy_ratio_clip \\(ERC delta\\) must be > 0"):
-        vocab_parallel_policy_loss(*args, entropy_ratio_clip=0.0, old_entropy=inp["old_ent"])
+        vocab_parallel_policy_loss(*args, PolicyLossSpec(entropy_ratio_clip=0.0),
+                                   old_entropy=inp["old_ent"])
     with pytest.raises(ValueError, match="old_entropy must be shaped like the targets"):
-        vocab_parallel_policy_loss(*args, entropy_ratio_clip=0.05, old_entropy=torch.ones(3))
+        vocab_parallel_policy_loss(*args, PolicyLossSpec(entropy_ratio_clip=0.05),
+                                   old_entropy=torch.ones(3))
     with pytest.raises(ValueError, match="backend must be one of"):
         vocab_parallel_policy_loss(*args, backend="triton")
     monkeypatch.setattr(op_module, "_extension_ops", lambda: None)  # as if _C were not built
@@ -252,8 +254,9 @@ def test_erc_band_and_log_ratio_clamp_by_hand_through_the_op(device, backend):
     with backend_for(backend) as used:
         out = vocab_parallel_policy_loss(
             x, torch.tensor(HAND_TARGETS, device=device), old.to(device),
-            torch.tensor(adv, device=device), torch.ones(5, device=device), loss_type="gppo",
-            erc_low=0.9, erc_high=1.3, old_entropy=old_ent.to(device), backend=used)
+            torch.tensor(adv, device=device), torch.ones(5, device=device),
+            PolicyLossSpec("gppo", erc_low=0.9, erc_high=1.3), old_entropy=old_ent.to(device),
+            backend=used)
         out.loss.backward()
     assert out.loss.item() == pytest.approx(sum(values) / 5, abs=1e-6)
     torch.testing.assert_close(x.grad.cpu(), grad, rtol=1e-5, atol=1e-6)

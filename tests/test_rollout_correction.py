@@ -193,3 +193,20 @@ def test_rl_flags_parse_and_unknown_choices(tmp_path):
             parse_config(RLConfig, REQUIRED + ["--config", str(y)])
         with pytest.raises(SystemExit):      # argparse: "argument --loss-type: invalid choice"
             parse_config(RLConfig, REQUIRED + [f"--{key}", value])
+
+
+def test_policy_loss_section_builds_the_ops_spec_field_by_field():
+    """The section hands the fused op one PolicyLossSpec; each flag lands in its own field."""
+    from megatron_klear.algo.rl_objective import PolicyLossFlags
+    from megatron_klear.ops import PolicyLossSpec
+    from megatron_klear.train.rl import RLConfig
+
+    cfg = parse_config(RLConfig, REQUIRED + [
+        "--loss-type", "ppo", "--eps-clip-low", "0.11", "--eps-clip-high", "0.33",
+        "--gppo-beta1", "0.4", "--gppo-beta2", "1.7", "--dual-clip", "3.5",
+        "--erc-low", "0.9", "--erc-high", "1.2"])
+    assert cfg.part(PolicyLossFlags).spec() == PolicyLossSpec(
+        loss_type="ppo", eps_low=0.11, eps_high=0.33, beta1=0.4, beta2=1.7, dual_clip=3.5,
+        entropy_ratio_clip=None, erc_low=0.9, erc_high=1.2)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        parse_config(RLConfig, REQUIRED + ["--dual-clip", "0.5"]).part(PolicyLossFlags).spec()
