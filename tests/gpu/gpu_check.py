@@ -9,7 +9,7 @@ what the stock image has plus the wheels of tools/gpu_wheels.sh: megatron-core's
 (no Transformer Engine), the embedded rollout server on the GPU (no SGLang).
 
 Checks:
-  parity      the CUDA loss kernels against the torch reference (tests/test_policy_loss_op.py's
+  parity      the CUDA loss kernels against the torch reference (tests/unit/test_policy_loss_op.py's
               ``cuda`` cases: fp32/bf16/fp16, every loss table, in-place backward)
   bandwidth   fused stats + in-place backward at T=32768, V/TP=151,936 bf16 against a
               device-to-device copy measured in the same run (goal: >= 85% of the copy's
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))  # `tests` and the checkout's megatron_klear, run 
 
 RESULT = "GPU_CHECK_RESULT "  # the line a step prints last: its JSON result
 BANDWIDTH_GOAL = 0.85         # fused fwd+bwd GB/s over the measured copy's
-PLANNER_TOLERANCE = 0.25      # as tests/test_memory.py on CPU
+PLANNER_TOLERANCE = 0.25      # as tests/multiprocess/test_memory.py on CPU
 STEP_TIMEOUT_S = {"parity": 150, "bandwidth": 120, "sft_rl": 150, "offload": 120,
                   "colocate": 240, "planner": 150}
 
@@ -56,7 +56,7 @@ def step_parity() -> dict:
     if not _C.with_cuda:
         return {"ok": False, "numbers": "megatron_klear._C was built without CUDA"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_policy_loss_op.py", "-k", "cuda-cuda"], cwd=ROOT,
+                          "tests/unit/test_policy_loss_op.py", "-k", "cuda-cuda"], cwd=ROOT,
                          capture_output=True, text=True)
     print(run.stdout[-4000:], run.stderr[-2000:], flush=True)
     summary = next((ln for ln in reversed(run.stdout.splitlines()) if " in " in ln), "")
