@@ -47,6 +47,14 @@ def qwen3_chat_template() -> str:
     return json.loads((_require() / "tokenizer_config.json").read_text())["chat_template"]
 
 
+def qwen3_chat_template_file(folder: Path) -> Path:
+    """Qwen3's chat template written to ``folder`` for a CLI's ``--chat-template`` (the tool
+    runs need a template that renders tools); skips as :func:`qwen3_tokenizer`."""
+    path = folder / "qwen3_chat_template.jinja"
+    path.write_text(qwen3_chat_template())
+    return path
+
+
 def qwen3_tokenizer() -> Any:
     """transformers' fast tokenizer from Qwen3's files, with Qwen3's chat template; a fresh
     copy each call (tests set attributes on it). Skips naming the reason where the files

@@ -199,15 +199,18 @@ def test_klear_eval_cli_with_tools(tmp_path, capsys):
     trajectories of a user tool through a user parser (a random model writes no calls), each
     tool response answering the turn before it; scores, report means and bad flags."""
     from megatron_klear.eval.__main__ import build_parser, check_args, main
-    from tests.unit.test_multi_turn import PLAIN, TEMPLATE
     from tests.multiprocess.test_multi_turn_server import HERE, long_context_model
+    from tests.qwen3_files import qwen3_chat_template_file
+    from tests.unit.test_multi_turn import PLAIN
+
+    template = qwen3_chat_template_file(tmp_path)
 
     hf = long_context_model(tmp_path / "tiny")
     bench = tmp_path / "bench.jsonl"
     bench.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x"}) + "\n"
                              for i in range(3)))
     flags = ["--model", str(hf), "--benchmark", f"toy={bench}@{REWARD}", "--k", "2",
-             "--max-new-tokens", "200", "--chat-template", str(TEMPLATE), "--seed", "1",
+             "--max-new-tokens", "200", "--chat-template", str(template), "--seed", "1",
              "--tools", f"{HERE}:count", "--tool-parser", f"{HERE}:every_turn_calls",
              "--max-turns", "3", "--max-tool-response-tokens", "8", "--tool-timeout", "3",
              "--num-servers", "1", "--out-dir", str(tmp_path / "out")]

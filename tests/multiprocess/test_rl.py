@@ -482,14 +482,16 @@ def test_rl_with_tools_async_and_dynamic_sampling(tmp_path, prompts):
     tokens would differ by whole nats if they were trained), and the periodic eval runs
     with the tools."""
     from megatron_klear.models.tiny import save_tiny_hf_model
-    from tests.unit.test_multi_turn import TEMPLATE
+    from tests.qwen3_files import qwen3_chat_template_file
 
+    template = qwen3_chat_template_file(tmp_path)
     hf = save_tiny_hf_model(tmp_path / "hf", seed=0, std=0.2, max_position_embeddings=2048)
     evals = tmp_path / "eval.jsonl"
     evals.write_text("".join(prompts.read_text().splitlines(keepends=True)[:4]))
     cli = [sys.executable, "-m", "megatron_klear.train.rl",
-           *_rl_args(hf, prompts, tmp_path / "run", 2, "--chat-template", str(TEMPLATE),
-                     "--tools", "python", "--tool-parser", "tests.multiprocess.test_rl:hostile_every_turn",
+           *_rl_args(hf, prompts, tmp_path / "run", 2, "--chat-template", str(template),
+                     "--tools", "python",
+                     "--tool-parser", "tests.multiprocess.test_rl:hostile_every_turn",
                      "--max-turns", "3", "--max-tool-response-tokens", "16",
                      "--tool-timeout", "3", "--async-rollout", "--max-sampling-rounds", "8",
                      "--eval-data", str(evals), "--eval-interval", "2", "--eval-k", "2")]
