@@ -250,10 +250,15 @@ class MemoryFlags(Section):
                                     "extension lacks CUDA), cpu kernel on CPU",
                             choices=("auto", "cuda", "cpu", "torch"))
     gpu_memory_gb: float = opt(80.0, "per-GPU memory the --dry-run memory plan must fit")
+    host_memory_gb: float | None = opt(
+        None, "host memory per node the --dry-run plan must fit: pinned offload buffers and "
+        "KL reference copies, and each trainer process's own (unset: printed, not checked)")
 
     def validate_section(self) -> None:
         """Sequence parallel, recompute and distributed-optimizer flags that contradict."""
         _at_least(self, ("gpu_memory_gb",), 1)
+        if self.host_memory_gb is not None:
+            _at_least(self, ("host_memory_gb",), 1)
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it "
                               "splits activations over the TP group)")

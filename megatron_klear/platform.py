@@ -47,7 +47,8 @@ from megatron_klear import virtual_cuda
 from megatron_klear.heap import keep_freed_memory
 
 __all__ = ["Platform", "setup", "cuda_available", "device", "backend", "batch_p2p_comm",
-           "is_emulated", "host_only_section", "gpu_uuid", "gpu_index_of_uuid"]
+           "is_emulated", "host_only_section", "gpu_uuid", "gpu_index_of_uuid", "pinned_buffer",
+           "pinned_bytes"]
 
 
 _TORCH_CUDA_AVAILABLE = torch.cuda.is_available  # strict device mode replaces the attribute
@@ -139,25 +140,87 @@ _IS_PINNED = torch.Tensor.is_pinned
 
 class _PinnedStorages:
     """Emulated page-locked host memory: the storages made by ``pin_memory()`` or a factory
-    with ``pin_memory=True`` (CUDA-less torch refuses both: "no pinned memory allocator")."""
+    with ``pin_memory=True`` (CUDA-less torch refuses both: "no pinned memory allocator"),
+    and the exact ones of :func:`pinned_buffer`. The pinned bytes are counted as CUDA torch
+    pins them: its caching host allocator (aten/src/ATen/core/CachingHostAllocator.h) rounds
+    each allocation up to a power of two and keeps a freed block cached for a later one of
+    the same size; a registered plain allocation pins exactly its bytes."""
 
     def __init__(self) -> None:
         self.pinned: dict[int, weakref.ref] = {}
+        self.exact = self.cached = 0  # bytes: registered exact buffers; torch's host cache
+        self.in_use: dict[int, int] = {}  # torch-pinned storage -> its rounded block
+        self.free_blocks: dict[int, int] = {}  # rounded block size -> cached free blocks
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         storage = virtual_cuda.storage_of(t)
         ref = self.pinned.get(id(storage)) if storage is not None else None
         return ref is not None and ref() is storage
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
+    def _track(self, t: torch.Tensor, on_free) -> None:
         storage = virtual_cuda.storage_of(t)
         if storage is not None:
             key = id(storage)
-            self.pinned[key] = weakref.ref(storage, lambda _, k=key: self.pinned.pop(k, None))
+            self.pinned[key] = weakref.ref(storage, lambda _, k=key: on_free(k))
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s storage pinned through torch's caching host allocator."""
+        storage = virtual_cuda.storage_of(t)
+        if storage is not None:
+            block = 1 << max(storage.nbytes() - 1, 0).bit_length()
+            if self.free_blocks.get(block):
+                self.free_blocks[block] -= 1  # a cached block of that size is reused
+            else:
+                self.cached += block
+            self.in_use[id(storage)] = block
+            self._track(t, self._freed)
+        return t
+
+    def _freed(self, key: int) -> None:
+        self.pinned.pop(key, None)
+        block = self.in_use.pop(key, None)
+        if block is not None:  # back to the cache: still pinned
+            self.free_blocks[block] = self.free_blocks.get(block, 0) + 1
+
+    def pin_exact(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s storage pinned as a registered plain allocation: exactly its bytes."""
+        nbytes = t.untyped_storage().nbytes()
+        self.exact += nbytes
+
+        def freed(key: int, n: int = nbytes) -> None:
+            self.pinned.pop(key, None)
+            self.exact -= n
+
+        self._track(t, freed)
         return t
 
 
 _PINNED = _PinnedStorages()
+
+
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 host buffer of ``nbytes`` pinned exactly: a plain allocation registered with
+    CUDA (``cudaHostRegister``), not torch's caching host allocator, which rounds each
+    allocation up to a power of two and keeps it (up to 2x the bytes asked for). Pinned for
+    the buffer's life (unregistered by a finalizer of its storage's Python object, which
+    torch deallocates with the storage; unverified on a GPU). Without CUDA: plain host
+    memory (pinned by the emulation in strict device mode). CUDA branch not run on a GPU."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+    if cuda_available():
+        if nbytes:
+            cudart, ptr = torch.cuda.cudart(), buf.data_ptr()
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+            weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, ptr)
+        return buf
+    return _PINNED.pin_exact(buf) if virtual_cuda.active() else buf
+
+
+def pinned_bytes() -> int:
+    """Strict mode: host bytes pinned now, as CUDA torch would hold them (exact buffers of
+    :func:`pinned_buffer`, plus torch's host cache: every power-of-two block it made)."""
+    return _PINNED.exact + _PINNED.cached
 class _CudaToCpuMode(TorchFunctionMode):
     """Redirects every tensor creation or move that names CUDA to the CPU (and, in strict
     device mode, tags the results as CUDA and answers device queries for tagged tensors)."""
@@ -231,6 +294,7 @@ def _patch_cuda_module() -> None:
     cuda.synchronize = lambda *a, **k: None
     cuda.set_device = lambda *a, **k: None
     cuda.empty_cache = lambda: None
+    cuda.ipc_collect = lambda: None  # nothing shared by handle (strict mode: its own limbo)
     # no device memory (strict device mode counts the virtual GPU's: virtual_cuda.install)
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0

@@ -34,6 +34,8 @@ class Sample:
     # multi-turn rollouts: the turns, tool calls and outputs, why it ended
     # (rollout/orchestration/multi_turn.py Trajectory); None for single-turn samples
     trajectory: Any = None
+    # on-policy distillation: the teacher's log-prob of each response token (None: no teacher)
+    teacher_logprobs: list[float] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -61,6 +63,9 @@ class RolloutBatch:
     # per sample, per response token: 1 = trained (the model's own), 0 = in the sequence but
     # not trained (multi-turn tool responses); empty when every response token trains
     loss_masks: list[list[int]] = field(default_factory=list)
+    # on-policy distillation: per sample, the teacher's log-prob of each response token;
+    # empty without a teacher
+    teacher_logprobs: list[list[float]] = field(default_factory=list)
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], group_size: int, max_score: float,
@@ -82,7 +87,9 @@ class RolloutBatch:
                    advantages=[s.advantage for s in samples],
                    routed_experts=[s.routed_experts for s in samples], stats=stats,
                    max_score=max_score, kept=[s.kept for s in samples],
-                   loss_masks=[s.loss_mask for s in samples] if partial else [])
+                   loss_masks=[s.loss_mask for s in samples] if partial else [],
+                   teacher_logprobs=[s.teacher_logprobs for s in samples]
+                   if samples and samples[0].teacher_logprobs is not None else [])
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -103,7 +110,8 @@ class RolloutBatch:
         return ("prompt_ids", "response_ids", "rollout_logprobs", "rewards", "truncated",
                 "prompt_index", "advantages") + (("kept",) if self.kept else ()) + \
             (("routed_experts",) if self.routed_experts else ()) + \
-            (("loss_masks",) if self.loss_masks else ())
+            (("loss_masks",) if self.loss_masks else ()) + \
+            (("teacher_logprobs",) if self.teacher_logprobs else ())
 
     def select_groups(self, keep: Sequence[int]) -> "RolloutBatch":
         """A batch of the given groups only (stats are kept)."""

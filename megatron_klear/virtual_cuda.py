@@ -119,6 +119,12 @@ class _DeviceTags:
         self.sizes: dict[int, int] = {}  # bytes of each tagged storage, as last counted
         self.allocated = self.peak = 0  # bytes on the virtual GPU now, and the peak
         self.limit: int | None = None  # the virtual GPU's size (KLEAR_VIRTUAL_GPU_MEMORY_GB)
+        # CUDA IPC (torch/csrc/CudaIPCTypes.cpp): a block whose handle was sent to another
+        # process is, once freed here, kept in torch's "sent data limbo" until
+        # torch.cuda.ipc_collect(); empty_cache() does not free it. Keys of the storages
+        # shared by handle, the bytes freed but not collected, and how many were ever shared.
+        self.ipc: set[int] = set()
+        self.limbo = self.shared_count = 0
 
     def _count(self, key: int, nbytes: int) -> None:
         """Set the counted bytes of storage ``key``; raise as CUDA's allocator does when the
@@ -135,6 +141,21 @@ class _DeviceTags:
     def _forget(self, key: int) -> None:
         self.cuda.pop(key, None)
         self.allocated -= self.sizes.pop(key, 0)
+
+    def _freed(self, key: int) -> None:
+        """A tagged storage died: its bytes are free, or in the IPC limbo if it was shared."""
+        if key in self.ipc:
+            self.ipc.discard(key)
+            self.cuda.pop(key, None)
+            self.limbo += self.sizes.pop(key, 0)  # still in ``allocated`` until collected
+        else:
+            self._forget(key)
+
+    def ipc_collect(self) -> None:
+        """``torch.cuda.ipc_collect()``: the limbo's blocks are freed (the twin's receivers,
+        the embedded servers, drop their mappings before they answer)."""
+        self.allocated -= self.limbo
+        self.limbo = 0
 
     def resized(self, storage) -> None:
         """Count a tagged storage's new size (``UntypedStorage.resize_``: offload's way to free
@@ -158,7 +179,7 @@ class _DeviceTags:
             if on_cuda and (ref is None or ref() is not storage):
                 self._forget(key)  # a dead storage's tag at a recycled address
                 self._count(key, storage.nbytes())
-                self.cuda[key] = weakref.ref(storage, lambda _, k=key: self._forget(k))
+                self.cuda[key] = weakref.ref(storage, lambda _, k=key: self._freed(k))
             elif not on_cuda and ref is not None:
                 self._forget(key)
 
@@ -190,6 +211,25 @@ def share_memory(t: torch.Tensor) -> torch.Tensor:
 # ops CUDA torch runs across devices: copies, and indexing with CPU index tensors
 _CROSS_DEVICE = {"aten::copy_", "aten::_to_copy", "aten::index.Tensor", "aten::index_put_",
                  "aten::index_put", "aten::_index_put_impl_", "aten::set_"}
+
+
+def ipc_shared(t: torch.Tensor) -> None:
+    """``t``'s storage was handed to another process by handle (its handle pickled), so once
+    freed it stays allocated until ``torch.cuda.ipc_collect()``."""
+    storage = storage_of(t)
+    if is_virtual_cuda(t) and storage is not None:
+        _TAGS.ipc.add(id(storage))
+        _TAGS.shared_count += 1
+
+
+def ipc_limbo_bytes() -> int:
+    """Bytes of blocks shared by handle, freed and not yet ``ipc_collect``-ed."""
+    return _TAGS.limbo
+
+
+def ipc_shared_count() -> int:
+    """How many handles of virtual-GPU memory this process has made."""
+    return _TAGS.shared_count
 
 
 def _in_object_collective() -> bool:
@@ -283,6 +323,7 @@ def install() -> TorchDispatchMode:
     cuda.reset_peak_memory_stats = lambda *a, **k: setattr(_TAGS, "peak", _TAGS.allocated)
     cuda.mem_get_info = lambda *a, **k: (
         (_TAGS.limit - _TAGS.allocated, _TAGS.limit) if _TAGS.limit is not None else (0, 0))
+    cuda.ipc_collect = _TAGS.ipc_collect  # empty_cache leaves the IPC limbo, as CUDA's does
     _count_virtual_memory()
     check = _DeviceCheckMode()
     check.__enter__()

@@ -25,14 +25,13 @@ if [[ " $* " != *" --dry-run "* ]]; then
     urls="$urls http://127.0.0.1:$((30000 + i))"
   done
   trap 'kill $(jobs -p) 2>/dev/null' EXIT
-  for url in $urls; do  # healthy, then released, so that the trainer's model fits as it is built
+  for url in $urls; do  # healthy; handed over as launched: the trainer releases them (issue 51)
     until curl -sf "$url/health" >/dev/null; do sleep 5; done
-    curl -sf -X POST "$url/release_memory_occupation" -H 'Content-Type: application/json' \
-      -d '{"tags": ["kv_cache", "weights"]}' >/dev/null
   done
 fi
 # shellcheck disable=SC2086
 launch megatron_klear.train.rl --config "$HERE/../klear_8b/rl_math.yaml" --hf-checkpoint "$MODEL" \
   --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 \
   --colocate --sglang-tp-size 2 --sglang-mem-fraction-static "$MEM_FRACTION" \
-  --prompt-data "$DATA" --save "$OUT" ${urls:+--rollout-urls $urls} "$@"
+  --prompt-data "$DATA" --save "$OUT" \
+  ${urls:+--rollout-urls $urls --rollout-engine-memory launched} "$@"

@@ -19,6 +19,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.algo.kl import KL_ESTIMATORS, kl_per_token
+from megatron_klear.algo.opd import opd_advantages
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, Section, opt
@@ -223,15 +224,41 @@ def aggregation_totals(batch: RolloutBatch, rows: Sequence[int],
                              parallel_state.get_data_parallel_world_size())
 
 
+def token_advantages(b: dict, correction: RolloutCorrection | None = None,
+                     opd_kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Each label's advantage in micro-batch ``b`` (which holds its ``old_logprobs``) and the
+    token-summed ``train/`` metrics it adds: the group advantage; with ``opd_kl_coef`` and the
+    batch's ``teacher_logprobs``, minus lambda x (student - teacher log-prob), the student's
+    being the old log-prob, or the rollout engine's under ``correction`` (algo/opd.py); then
+    times the rollout correction's weights."""
+    adv, mask, old = b["advantages"], b["loss_mask"], b["old_logprobs"]
+    metrics = {}
+    if opd_kl_coef and "teacher_logprobs" in b:
+        student = b["rollout_logprobs"] if correction is not None else old
+        adv, opd = opd_advantages(adv, student, b["teacher_logprobs"], mask, opd_kl_coef)
+        metrics.update({f"train/{k}": v for k, v in opd.items()})
+    if correction is not None:  # rollout engine vs trainer mismatch
+        weights, corr = rollout_correction_weights(old, b["rollout_logprobs"], mask,
+                                                   sequence_ids(b), correction)
+        adv = adv * weights
+        metrics.update({f"train/rollout_correction_{k}": v * mask.sum()
+                        for k, v in corr.items()})
+    return adv, metrics
+
+
 def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_positive: float,
                    totals: AggregationTotals | None = None, *, temperature: float = 1.0,
-                   backend: str = "auto") -> Callable:
+                   backend: str = "auto", opd_kl_coef: float = 0.0) -> Callable:
     """GPPO (or PPO/CISPO) + alpha * SFT aggregated as ``--loss-aggregation`` says (default: each
     a token-level mean over the mini-batch, whose counts ``n_tokens`` / ``n_positive`` are),
     with the optional rollout correction (weights on the advantages) and ERC (old entropy per
     token). ``totals``: the mini-batch's counts (:func:`aggregation_totals`), needed by the
     other aggregations. ``loss``: the policy-loss section; ``temperature``: the rollout's
-    sampling temperature (``--rollout-temperature``); ``backend``: ``--loss-backend``."""
+    sampling temperature (``--rollout-temperature``); ``backend``: ``--loss-backend``;
+    ``opd_kl_coef``: on-policy distillation's lambda (``--opd-kl-coef``, algo/opd.py): with
+    the micro-batch's ``teacher_logprobs``, each token's advantage loses lambda x (student -
+    teacher log-prob), the student's being the old log-prob, or the rollout engine's under a
+    rollout correction."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     backend = loss_backend(backend)
     correction = loss.correction()
@@ -249,14 +276,8 @@ def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_po
         if "old_logprobs" not in b:  # first mini-batch: the policy has not moved, old = current
             fill_logprobs(logits, b, vocab_size, temperature, backend)
         old = b["old_logprobs"]
-        adv = b["advantages"]
         tokens = mask.sum()
-        metrics = {}
-        if correction is not None:  # rollout engine vs trainer mismatch
-            weights, corr = rollout_correction_weights(old, b["rollout_logprobs"], mask,
-                                                       sequence_ids(b), correction)
-            adv = adv * weights
-            metrics.update({f"train/rollout_correction_{k}": v * tokens for k, v in corr.items()})
+        adv, metrics = token_advantages(b, correction, opd_kl_coef)
         out = vocab_parallel_policy_loss(
             logits, b["labels"], old, adv, mask, spec, old_entropy=b["entropy"] if erc else None,
             sequence_ids=sequence_ids(b), temperature=temperature, reduction="none",

@@ -63,6 +63,8 @@ def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, lis
               "advantages": ctx + [float(batch.advantages[i])] * n,
               "positive": ctx + [float(is_positive(batch, i))] * n,
               "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
+    if batch.teacher_logprobs:  # on-policy distillation: aligned as the rollout log-probs
+        fields["teacher_logprobs"] = ctx + list(batch.teacher_logprobs[i][:n])
     if batch.routed_experts and batch.routed_experts[i] is not None:
         fields["routed_experts"] = batch.routed_experts[i]  # [labels, layers, k]
     return p + resp, fields
@@ -75,7 +77,8 @@ def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_i
     out = []
     for start in range(0, len(rows), micro):
         chunk = rows[start:start + micro]
-        d = {k: torch.zeros(len(chunk), seq_len) for k in FIELDS}
+        d = {k: torch.zeros(len(chunk), seq_len)
+             for k in FIELDS + (("teacher_logprobs",) if batch.teacher_logprobs else ())}
         tokens = torch.full((len(chunk), seq_len + 1), pad_id, dtype=torch.long)
         for r, i in enumerate(chunk):
             seq, fields = sample_fields(batch, i)

@@ -23,7 +23,14 @@ log = logging.getLogger(__name__)
 _REWARDS = Registry("reward", {"math": "megatron_klear.rewards.math:math_reward",
                                "code": "megatron_klear.rewards.code:code_reward",
                                "math_klear": "megatron_klear.rewards.klear:math_klear",
-                               "code_klear": "megatron_klear.rewards.klear:code_klear"})
+                               "code_klear": "megatron_klear.rewards.klear:code_klear",
+                               "none": "megatron_klear.rewards:no_reward"})
+
+
+def no_reward(response: str, label: Any) -> float:
+    """``--reward none``: 0 for every response, so every group advantage is 0 (pure on-policy
+    distillation, where the teacher's term is the whole signal; train/opd_flags.py)."""
+    return 0.0
 
 
 def register_reward(name: str, fn: RewardFn) -> None:

@@ -6,7 +6,8 @@ A step (issue 31), each hand-over a barrier over the trainer ranks so that no si
 before the other has freed:
 
 1. rollout (the trainer is offloaded: the engines hold weights and KV cache);
-2. the engines release their memory, KV cache then weights (``/release_memory_occupation``);
+2. the engines release their memory, KV cache, weights, CUDA graphs
+   (``/release_memory_occupation``);
 3. the trainer's parameters, gradients and optimizer state come back (onload);
 4. the training step; the trainer's log-probs of the probe sequence are taken now, with the
    weights about to be sent (the probe compares the engines against them after step 8);
@@ -14,11 +15,11 @@ before the other has freed:
 6. the engines resume their weights (``/resume_memory_occupation``, tag ``weights``);
 7. the weights go over as tensor handles (:class:`TensorWeightSync`), from the parameters,
    which are offloaded right after: the parameters leave last, since the sync reads them;
-8. the engines resume their KV cache; the probe asks them.
+8. the engines resume their KV cache and CUDA graphs; the probe asks them.
 
-A checkpoint save (:meth:`Colocation.trainer_resident`) releases the engines' KV cache, brings
-the trainer back, saves, offloads it and resumes the KV cache; the run's end
-(:meth:`Colocation.close`) releases the KV cache for good before the trainer comes back for
+A checkpoint save (:meth:`Colocation.trainer_resident`) releases the engines' KV cache (and
+CUDA graphs), brings the trainer back, saves, offloads it and resumes them; the run's end
+(:meth:`Colocation.close`) releases them for good before the trainer comes back for
 the HF export. The engines' weights stay through both (8B plan, docs/memory.md: the save
 phase holds the trainer's state and the engines' weights, not their 60 GiB of KV cache).
 
@@ -29,6 +30,7 @@ is not run on a GPU; on CPU every step runs against the embedded servers.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any, Iterator
 
@@ -37,47 +39,66 @@ import torch.distributed as dist
 
 from megatron_klear.train.offload import TrainerOffload
 
-__all__ = ["Colocation", "RELEASE_ORDER", "LAUNCH_RELEASED", "engine_memory_state"]
+__all__ = ["Colocation", "RELEASE_ORDER", "ROLLOUT_TAGS", "ENGINE_MEMORY", "engine_memory_state",
+           "release_launched_engines"]
 
-RELEASE_ORDER = ("kv_cache", "weights")  # SGLang's tags, in the order the engines free them
-# What a colocated run is handed by a launch script (run_rl_colocate.sh, tests/gpu/): SGLang
-# engines released (KV cache and weights) so that the trainer's model fits while it is built.
-# SGLang 0.5.23 cannot be asked (its offload_tags stay inside the scheduler,
-# sglang/srt/managers/scheduler_components/weight_updater.py); the embedded server answers.
-LAUNCH_RELEASED = ("kv_cache", "weights")
+# SGLang's tags, in the order the engines free them: all three, as slime releases them (its
+# CUDA graphs' memory too, which torch_memory_saver tags cuda_graph; sglang/srt/constants.py
+# GPU_MEMORY_ALL_TYPES), resumed weights first (the sync), then KV cache with CUDA graphs
+RELEASE_ORDER = ("kv_cache", "weights", "cuda_graph")
+ROLLOUT_TAGS = ("kv_cache", "cuda_graph")  # what rollout needs beyond the weights
+# The engines' released tags per --rollout-engine-memory. SGLang 0.5.23 cannot be asked (its
+# offload_tags stay inside the scheduler, sglang/srt/managers/scheduler_components/
+# weight_updater.py), so the state is given by whoever started the engines, never assumed:
+# engines this run starts are "launched"; given ones are as the flag says.
+ENGINE_MEMORY = {"launched": (), "released": RELEASE_ORDER}
 
 
-def engine_memory_state(client) -> set[str]:
-    """The tags the engines have released now: what each reports in ``/server_info``
-    (``memory_released``, the embedded server), else :data:`LAUNCH_RELEASED`. Engines that
-    disagree are refused: the hand-overs release and resume them together."""
-    states = {}
+def release_launched_engines(urls: list[str]) -> None:
+    """Engines handed over as launched (``--rollout-engine-memory launched``) release their KV
+    cache, then weights, before the trainer builds its model on their GPUs, as slime's
+    rollout manager releases its engines right after it starts them. Rank 0 only (``RANK``),
+    before the process group forms: the other ranks wait for it in the rendezvous."""
+    from megatron_klear.rollout.orchestration.client import RolloutClient
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    client = RolloutClient(urls)
+    engine_memory_state(client, ENGINE_MEMORY["launched"])
+    for tag in RELEASE_ORDER:
+        client.post_all("/release_memory_occupation", {"tags": [tag]})
+
+
+def engine_memory_state(client, released: tuple[str, ...]) -> set[str]:
+    """``released`` (the tags the engines were handed over with), checked against what each
+    engine reports in ``/server_info`` (``memory_released``: the embedded server; SGLang
+    reports nothing). An engine that disagrees is refused: the hand-overs release and resume
+    every engine together, and SGLang ends when a tag is released twice or resumed held."""
     for url, info in client.server_info().items():
-        info = info if isinstance(info, dict) else {}
-        states[url] = frozenset(info.get("memory_released", LAUNCH_RELEASED))
-    if len(set(states.values())) > 1:
-        raise RuntimeError("the colocated engines hold different memory: "
-                           + ", ".join(f"{u} released {sorted(t)}" for u, t in states.items())
-                           + "; start them alike (run_rl_colocate.sh releases kv_cache and "
-                           "weights of every engine)")
-    return set(next(iter(states.values()), ()))
+        got = info.get("memory_released") if isinstance(info, dict) else None
+        if got is not None and set(got) != set(released):
+            raise RuntimeError(f"{url} has released {sorted(got)}, but the run was told "
+                               f"{sorted(released)} (--rollout-engine-memory); start every "
+                               "engine alike and say how (launched or released)")
+    return set(released)
 
 
 class Colocation:
     """The hand-overs of a colocated run (collective over the trainer ranks; rank 0 talks to
     the engines). ``client``: a RolloutClient of the engines (rank 0; None elsewhere).
 
-    The engines' memory is known at every moment (:attr:`released`, asked or assumed at the
-    start, then tracked): a tag is released only while held and resumed only while released,
+    The engines' memory is known at every moment (:attr:`released`, given at the start --
+    ``released``, checked where an engine reports it -- then tracked): a tag is released
+    only while held and resumed only while released,
     since SGLang with ``--enable-memory-saver`` ends the engine otherwise. The trainer's
     peak device bytes of each phase are measured (``torch.cuda.max_memory_allocated``; the
     strict virtual-CUDA mode counts them on CPU) and reported as
     ``memory/trainer_<phase>_peak_gib``."""
 
-    def __init__(self, engine, client: Any | None) -> None:
+    def __init__(self, engine, client: Any | None, released: tuple[str, ...]) -> None:
         self.engine, self.client = engine, client
         self.offload = TrainerOffload(engine.model, engine.optimizer)
-        held = [sorted(engine_memory_state(client)) if dist.get_rank() == 0 else None]
+        held = [sorted(engine_memory_state(client, released)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(held, src=0)
         self.released: set[str] = set(held[0])  # engine tags released now
         self.phase = "rollout"  # what the GPUs do now (its peak is measured until it ends)
@@ -92,9 +113,8 @@ class Colocation:
             except Exception as exc:
                 raise RuntimeError(
                     f"{path} {tags} failed ({exc}); an engine ends when a tag is released "
-                    "twice or resumed while held: engines given by --rollout-urls must come "
-                    f"released ({list(LAUNCH_RELEASED)}) as run_rl_colocate.sh leaves them, "
-                    "unless their /server_info reports memory_released") from exc
+                    "twice or resumed while held: engines given by --rollout-urls must be as "
+                    "--rollout-engine-memory says (launched or released)") from exc
         dist.barrier()
 
     def _release(self, tags: tuple[str, ...]) -> None:
@@ -125,11 +145,12 @@ class Colocation:
         self._peaks = self._enter(phase)
 
     def release_engines(self) -> None:
-        """The engines release what they hold of KV cache, then weights (nothing twice)."""
+        """The engines release what they hold of KV cache, weights, CUDA graphs (nothing
+        twice)."""
         self._release(RELEASE_ORDER)
 
     def before_train(self) -> dict[str, float]:
-        """Steps 2-3: engines release KV cache then weights; the trainer comes back."""
+        """Steps 2-3: engines release KV cache, weights, CUDA graphs; the trainer comes back."""
         metrics = self._enter("train")
         t0 = time.perf_counter()
         self.release_engines()
@@ -161,7 +182,7 @@ class Colocation:
         t2 = time.perf_counter()
         self.offload.offload("params")
         metrics.update(self._enter("rollout"))
-        self._resume(("kv_cache",))
+        self._resume(ROLLOUT_TAGS)
         metrics.update({"time/colocate_before_sync_s": t1 - t0,
                         "time/colocate_after_sync_s": time.perf_counter() - t2,
                         "colocate/offloaded_bytes": float(self.offload.nbytes)})
@@ -177,7 +198,7 @@ class Colocation:
         (their weights stay: they are the synced ones): the plan's ``save`` phase, whose
         peak is reported with the next step's metrics."""
         was, before = self.offload.offloaded, self.phase
-        self._release(("kv_cache",))
+        self._release(ROLLOUT_TAGS)
         self._note("save")
         if was:
             self.offload.onload()
@@ -188,11 +209,11 @@ class Colocation:
                 self.offload.offload()
             self._note(before)
             if before == "rollout":
-                self._resume(("kv_cache",))
+                self._resume(ROLLOUT_TAGS)
 
     def close(self) -> None:
         """Bring the trainer back (export, checkpoints after the loop) with the engines' KV
         cache released (they serve no more rollouts; their weights stay)."""
-        self._release(("kv_cache",))
+        self._release(ROLLOUT_TAGS)
         if self.offload.offloaded:
             self.offload.onload()

@@ -10,7 +10,9 @@ the model only when it is on this machine.
 
 :func:`dry_run` then plans per-GPU memory with :mod:`megatron_klear.train.memory`. A plan
 that does not fit ``--gpu-memory-gb`` fails with a :class:`~megatron_klear.config.ConfigError`
-naming the flags that would make it fit. With ``--colocate`` (klear-rl) it plans the phases
+naming the flags that would make it fit; the host memory per node (pinned and total,
+:func:`~megatron_klear.train.memory.plan_host`) is printed and checked against
+``--host-memory-gb``. With ``--colocate`` (klear-rl) it plans the phases
 of a colocated step instead (:func:`~megatron_klear.train.memory.plan_colocated`: training
 with the engines released, the weight sync, rollout with the trainer offloaded) and fails
 when one does not fit.
@@ -28,9 +30,9 @@ from megatron_klear.models.pipeline_layout import PipelineLayout
 from megatron_klear.models.qwen3 import Qwen3Arch, check_parallel_layout, load_hf_config, \
     moe_config_kwargs, qwen3_config_from_hf
 from megatron_klear.train.memory import Workload, check_colocated_fits, check_fits, \
-    plan_colocated, plan_memory
+    check_host_fits, plan_colocated, plan_host, plan_memory
 
-__all__ = ["launch_world_size", "model_arch", "preflight", "dry_run"]
+__all__ = ["launch_world_size", "model_arch", "preflight", "dry_run", "ranks_per_node"]
 
 
 def launch_world_size(cfg: TrainConfig, dry: bool) -> int:
@@ -92,6 +94,10 @@ def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
         if getattr(cfg, "colocate", False):  # klear-rl --colocate: both phases per GPU
             colocated = plan_colocated(arch, cfg, plan, workload.seq_length)
             report["colocated"] = colocated.as_dict()
+        host = plan_host(plan, workload, ranks_per_node(world), getattr(cfg, "colocate", False))
+        report["host"] = {**host.as_dict(), "host_memory_gb": cfg.host_memory_gb,
+                          "fits": cfg.host_memory_gb is None
+                          or host.total <= cfg.host_memory_gb * 2**30}
     else:
         report["model"] = "not checked (--hf-checkpoint is not on this machine)"
         report["memory"] = "not planned (needs the model's config.json)"
@@ -101,4 +107,12 @@ def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
         check_colocated_fits(colocated, arch, cfg, world, workload, plan)
     elif plan is not None:
         check_fits(plan, arch, cfg, world, workload)
+    if plan is not None:
+        check_host_fits(host, cfg)
     return report
+
+
+def ranks_per_node(world: int) -> int:
+    """Trainer processes on a node: torchrun's ``LOCAL_WORLD_SIZE``, else the launch's
+    ranks up to 8 (one node of 8 GPUs)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or min(world, 8))

@@ -41,7 +41,8 @@ from megatron_klear.models.qwen3 import padded_vocab_size
 __all__ = ["Workload", "StagePlan", "MemoryPlan", "plan_memory", "flags_to_fit", "check_fits",
            "model_state_bytes_per_param", "layer_activation_elements", "GiB",
            "ColocatedPlan", "plan_colocated", "colocated_fixes", "check_colocated_fits",
-           "model_params", "COLOCATE_RESIDUAL_GIB", "lora_params_per_layer",
+           "model_params", "COLOCATE_RESIDUAL_GIB", "SYNC_BUCKETS", "HOST_PROCESS_GIB", "HostPlan",
+           "plan_host", "check_host_fits", "lora_params_per_layer",
            "lora_activation_bytes_per_token"]
 
 GiB = 2**30
@@ -474,14 +475,18 @@ def check_fits(plan: MemoryPlan, arch, cfg: TrainConfig, world_size: int,
 # GPU; the trainer releases everything it can with storage resizing (train/offload.py),
 # SGLang with torch_memory_saver.
 COLOCATE_RESIDUAL_GIB = 2.0
+# staging buffers a trainer rank holds at once in a tensor-handle sync (rollout/tensor_sync.py:
+# bucket k+2 is packed before bucket k's is dropped; each dropped one is IPC-collected)
+SYNC_BUCKETS = 3
 
 
 @dataclass(frozen=True)
 class ColocatedPlan:
     """Per-GPU bytes of the phases of a colocated step (``--colocate``), with the numbers
     each phase is made of. ``training``: the trainer's plan with the engines released;
-    ``sync``: the trainer's parameters, the engines' resumed weights and two staging
-    buckets; ``rollout``: SGLang's static pool (``--sglang-mem-fraction-static`` of the GPU:
+    ``sync``: the trainer's parameters, the engines' resumed weights and
+    :data:`SYNC_BUCKETS` staging buckets; ``rollout``: SGLang's static pool
+    (``--sglang-mem-fraction-static`` of the GPU:
     its weights, then its KV cache) with the trainer offloaded; ``save``: a checkpoint save
     or the run's end (HF export), the trainer's parameters, gradients and optimizer state
     back on the device beside the engines' weights, their KV cache released
@@ -524,6 +529,65 @@ class ColocatedPlan:
                 "residual_gib_per_side": COLOCATE_RESIDUAL_GIB, "fits": not self.problems()}
 
 
+# Host memory of a trainer process beyond the pinned buffers the plan counts (interpreter,
+# libraries, CUDA context, data): an estimate, not measured on a GPU.
+HOST_PROCESS_GIB = 4.0
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Host bytes per node: ``pinned_per_rank`` -- the colocated trainer's offload arenas
+    (parameters, gradients, optimizer state: train/offload.py pins exactly that) and the KL
+    reference's two weight copies (train/reference.py) -- and each process's own
+    (:data:`HOST_PROCESS_GIB`), times the ranks on a node."""
+
+    ranks_per_node: int
+    pinned_per_rank: int
+
+    @property
+    def pinned(self) -> int:
+        """Pinned bytes per node."""
+        return self.pinned_per_rank * self.ranks_per_node
+
+    @property
+    def total(self) -> int:
+        """Host bytes per node, pinned and the processes' own."""
+        return self.pinned + int(HOST_PROCESS_GIB * GiB) * self.ranks_per_node
+
+    def as_dict(self) -> dict:
+        """GiB per node (the dry run's ``host`` report)."""
+        return {"ranks_per_node": self.ranks_per_node,
+                "pinned_gib_per_rank": round(self.pinned_per_rank / GiB, 2),
+                "pinned_gib_per_node": round(self.pinned / GiB, 2),
+                "total_gib_per_node": round(self.total / GiB, 2),
+                "process_gib_per_rank": HOST_PROCESS_GIB}
+
+
+def plan_host(plan: MemoryPlan, workload: Workload, ranks_per_node: int, colocate: bool
+              ) -> HostPlan:
+    """The host memory per node of a run with the trainer plan ``plan`` (``colocate``: its
+    state is offloaded between steps; a KL reference on the host: two copies of the rank's
+    weights)."""
+    pinned = 0
+    if colocate:
+        pinned += plan.peak.params + plan.peak.grads + plan.peak.optimizer
+    if workload.reference_on_host:  # the reference's copy and the policy's stash
+        pinned += 2 * max(st.params for st in plan.stages)
+    return HostPlan(ranks_per_node, pinned)
+
+
+def check_host_fits(host: HostPlan, cfg) -> None:
+    """Raise :class:`ConfigError` when the node's host memory (``--host-memory-gb``) is
+    smaller than the plan's."""
+    if cfg.host_memory_gb is None or host.total <= cfg.host_memory_gb * GiB:
+        return
+    raise ConfigError(f"host memory plan: {host.total / GiB:.1f} GiB per node "
+                      f"({host.pinned / GiB:.1f} pinned: {host.pinned_per_rank / GiB:.1f} per rank "
+                      f"x {host.ranks_per_node} "
+                      f"ranks) does not fit --host-memory-gb {cfg.host_memory_gb:g}; spread the "
+                      "ranks over more nodes (fewer per node) or run on hosts with more memory")
+
+
 def model_params(arch) -> int:
     """Parameters of the whole model (unsharded), experts included."""
     moe = moe_layer_terms(arch)
@@ -548,7 +612,7 @@ def plan_colocated(arch, cfg, trainer: MemoryPlan, sequence_tokens: int, *,
     pool = int(frac * gpu)
     return ColocatedPlan(
         gpu=gpu, training=trainer.total + residual,
-        sync=trainer.peak.params + weights + 2 * bucket + residual,
+        sync=trainer.peak.params + weights + SYNC_BUCKETS * bucket + residual,
         rollout=pool + residual,
         save=trainer.peak.params + trainer.peak.grads + trainer.peak.optimizer + weights + residual,
         engine_weights=weights, kv_bytes_per_token=kv_token,

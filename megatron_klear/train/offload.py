@@ -7,14 +7,21 @@ chunks and the optimizer as they are then (an optimizer may create its state ins
 Adam moments lazily at the first step, so storages found before it would miss them): megatron DDP's ``param_data``/``grad_data`` buffers (every parameter and
 ``main_grad`` is a view of one), the optimizer's main parameters (the distributed
 optimizer's fp32 shards included) and their gradients, and every tensor of the optimizer
-state (Adam's moments, step counters). A storage is copied whole into a host buffer (pinned on
-a GPU machine) and then resized to zero bytes, which frees the device memory while every
+state (Adam's moments, step counters). A storage is copied whole into its slice of the
+group's host arena and then resized to zero bytes, which frees the device memory while every
 tensor that views it -- parameters, DDP buckets, optimizer shards -- stays a valid object;
 :meth:`TrainerOffload.onload` resizes it back and copies the bytes in. The bytes come back
 as they left, so training with offload is bitwise equal to training without it
 (tests/multiprocess/test_offload.py). This is the technique of slime's and verl's colocated trainers
 (``storage().resize_(0)``); not run on a GPU, where the freed blocks also go back to the
 driver (``torch.cuda.empty_cache``) for the engines to allocate.
+
+The host arena of a group is one buffer pinned exactly (``platform.pinned_buffer``: a
+registered plain allocation), made at the group's first offload and reused by every later one
+(a larger one replaces it when the group grew, e.g. by an optimizer's lazy state): pinning
+one buffer per storage through torch's caching host allocator rounded each up to a power of
+two and kept it, up to twice the trainer's state per rank (issue 51). The dry run plans these
+bytes per node (train/memory.py ``plan_host``).
 
 Storages already in host memory while training computes on a GPU (``--optimizer-cpu-offload``
 keeps the optimizer state there) stay where they are.
@@ -75,6 +82,7 @@ class TrainerOffload:
         self.storages: dict[str, list[torch.UntypedStorage]] = {g: [] for g in GROUPS}
         self._views: dict[int, torch.Tensor] = {}  # per storage: a tensor viewing it
         self._host: dict[str, list[torch.Tensor]] = {}  # per offloaded group
+        self._arenas: dict[str, torch.Tensor] = {}  # per group: its pinned host arena
         self._scan()
 
     def _scan(self) -> None:
@@ -115,14 +123,10 @@ class TrainerOffload:
                                f"device (offloaded now: {sorted(self._host)})")
         start = time.perf_counter()
         self._scan()
-        pin = torch.cuda.is_available()  # pinned host memory needs a CUDA driver (or the
-        # strict virtual-CUDA mode's emulation, platform.py)
         for g in groups:
-            host = []
-            for storage in self.storages[g]:
-                h = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host = self._slices(g)
+            for storage, h in zip(self.storages[g], host):
                 h.copy_(self._bytes(storage))
-                host.append(h)
             for storage in self.storages[g]:
                 storage.resize_(0)
             self._host[g] = host
@@ -141,6 +145,19 @@ class TrainerOffload:
                 self._bytes(storage).copy_(h)
         self._host = {}
         return time.perf_counter() - start
+
+    def _slices(self, group: str) -> list[torch.Tensor]:
+        """One slice of the group's pinned arena per storage (each at a 64-byte boundary);
+        the arena is made, or replaced by a larger one, when the storages outgrow it."""
+        offsets, end = [], 0
+        for storage in self.storages[group]:
+            offsets.append(end)
+            end += -(-storage.nbytes() // 64) * 64
+        arena = self._arenas.get(group)
+        if arena is None or arena.numel() < end:
+            self._arenas.pop(group, None)
+            arena = self._arenas[group] = platform.pinned_buffer(end)
+        return [arena[o:o + s.nbytes()] for o, s in zip(offsets, self.storages[group])]
 
     def _bytes(self, storage: torch.UntypedStorage) -> torch.Tensor:
         """A uint8 tensor over the whole of ``storage``, made from a tensor that views it (a

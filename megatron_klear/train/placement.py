@@ -22,7 +22,7 @@ from typing import Any, ContextManager, Iterator
 import torch
 
 from megatron_klear.rollout.transport.probe import probe_after_sync
-from megatron_klear.train.colocate import Colocation
+from megatron_klear.train.colocate import ENGINE_MEMORY, Colocation
 from megatron_klear.train.engine import Engine
 from megatron_klear.train.rl_config import INFLIGHT_PAUSE_MODES, RLConfig, async_share
 from megatron_klear.train.rl_data import broadcast_batch
@@ -110,7 +110,11 @@ def build_placement(cfg: RLConfig, urls: list[str], engine: Engine, client: Any)
 
         sync = TensorWeightSync(urls, engine.model, engine.arch, rollout_client=client,
                                 bucket_bytes=cfg.weight_sync_bucket_mb * 2**20)
-        colocation = Colocation(engine, client if torch.distributed.get_rank() == 0 else None)
+        # engines this run started hold their memory; given ones were released by their
+        # launch script or, told they were just launched, by train() before the model's build
+        state = ENGINE_MEMORY["released" if cfg.rollout_urls else "launched"]
+        colocation = Colocation(engine, client if torch.distributed.get_rank() == 0 else None,
+                                state)
         return ColocatedPlacement(engine, sync, colocation)
     from megatron_klear.rollout.transport.weight_sync import WeightSync
 
@@ -141,7 +145,9 @@ def rollout_servers(cfg: RLConfig) -> Iterator[Any]:
             if cfg.colocate else cfg.rollout_num_servers,  # colocated: one per engine TP group
             async_share(len(os.sched_getaffinity(0))) if cfg.async_rollout else None)
         with launch_embedded_servers(cfg.hf_checkpoint, count, seed=cfg.seed, num_threads=threads,
-                                     return_routed_experts=cfg.use_routing_replay) as servers:
+                                     return_routed_experts=cfg.use_routing_replay,
+                                     batch_invariant=cfg.deterministic_rollout,
+                                     on_policy=cfg.true_on_policy_mode) as servers:
             broadcast_batch(servers.urls)
             yield servers
     else:

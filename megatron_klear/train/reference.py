@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from megatron_klear import platform
 from megatron_klear.checkpoint.state import CheckpointError
 from megatron_klear.config import ConfigError
 from megatron_klear.models.lora import adapters_disabled, has_lora
@@ -52,10 +53,16 @@ class ReferencePolicy:
         self._copy_in(self._policy)
 
     def _host_buffers(self) -> list[torch.Tensor]:
-        """One host tensor per parameter (pinned where CUDA is), allocated once."""
-        pin = torch.cuda.is_available()
-        return [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
-                for p in _params(self.engine)]
+        """One host tensor per parameter, views of one arena pinned exactly
+        (``platform.pinned_buffer``; torch's caching host allocator would round each up to a
+        power of two, issue 51), allocated once."""
+        params, offsets, end = list(_params(self.engine)), [], 0
+        for p in params:
+            offsets.append(end)
+            end += -(-p.numel() * p.element_size() // 64) * 64
+        arena = platform.pinned_buffer(end)
+        return [arena[o:o + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                for o, p in zip(offsets, params)]
 
     def _store(self, out: list[torch.Tensor]) -> None:
         with torch.no_grad():

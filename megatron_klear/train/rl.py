@@ -25,8 +25,10 @@ from megatron_klear.algo.rl_objective import PolicyLossFlags, aggregation_totals
     annotate_aggregation, old_logprobs, policy_loss_fn, step_means
 from megatron_klear.data.microbatches import rollout_microbatches, shape_routed_experts
 from megatron_klear.data.prompts import parse_chat_template_kwargs
+from megatron_klear.rollout.orchestration.teacher import TeacherClient
 from megatron_klear.samples import RolloutBatch
 from megatron_klear.train.async_rollout import RolloutSource
+from megatron_klear.train.colocate import release_launched_engines
 from megatron_klear.train.engine import Engine
 from megatron_klear.train.learning_signal import LearningSignalMonitor
 from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
@@ -48,6 +50,8 @@ def train(cfg: RLConfig) -> list[dict]:
                                parse_chat_template_kwargs(cfg.chat_template_kwargs))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
                                   answer_key=cfg.answer_key, answer_format=cfg.answer_format)
+    if cfg.rollout_engine_memory == "launched":  # released before the model is built
+        release_launched_engines(cfg.rollout_urls)
     run = start_run(cfg, arch, "consumed_prompts")
     engine = run.engine
     reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
@@ -89,12 +93,15 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
                    params: Any, step: int) -> RolloutSource:
     """The run's batches from ``stream``: collected when a step starts, or with
     ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
+    teacher = None
+    if cfg.use_opd and torch.distributed.get_rank() == 0:  # rank 0 collects the batches
+        teacher = TeacherClient(cfg.opd_teacher_urls)
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
                                 params, cfg.reward, cfg.part(DynamicSamplingFlags),
                                 prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),
                                 remote=cfg.remote_reward(), overlong=cfg.overlong_shaping(),
                                 stages=cfg.rollout_stages, multi_turn=cfg.multi_turn_config(
-                                    cfg.rollout_max_response_len))
+                                    cfg.rollout_max_response_len), teacher=teacher)
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
 
@@ -157,12 +164,16 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
         counts = aggregation_totals(batch, rows, per_mini)
         m = engine.train_step(mbs, policy_loss_fn(
             cfg.part(PolicyLossFlags), vocab, counts.tokens, counts.positive_tokens, counts,
-            temperature=cfg.rollout_temperature, backend=cfg.loss_backend))
+            temperature=cfg.rollout_temperature, backend=cfg.loss_backend,
+            opd_kl_coef=cfg.opd_kl_coef if cfg.use_opd else 0.0))
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
     t_train = time.time() - t0
     steps = len(minis)
     out = step_means(totals, steps)
+    if cfg.use_opd:  # the teacher's share of the advantage, |teacher term| / |whole|
+        teacher, task = out.pop("train/opd_teacher_adv_abs"), out.pop("train/opd_task_adv_abs")
+        out["train/opd_teacher_share"] = teacher / max(teacher + task, 1e-12)
     n_train = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
     if reference is not None:
         out["time/ref_logprob_s"] = t_ref

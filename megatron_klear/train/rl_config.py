@@ -25,6 +25,7 @@ from megatron_klear.rollout.orchestration.request import SamplingParams
 from megatron_klear.rollout.orchestration.tool_flags import ToolFlags, check_tools_chat_template
 from megatron_klear.train.context_parallel import THD_CP_UNSUPPORTED
 from megatron_klear.train.engine import cpu_threads
+from megatron_klear.train.opd_flags import OPDFlags
 from megatron_klear.train.rl_data import DynamicSamplingFlags
 
 
@@ -61,6 +62,13 @@ class RolloutFlags(Section):
     rollout_num_servers: int | None = opt(None, "embedded servers to start when no "
                                           "--rollout-urls (default: one per core of this node, "
                                           "at most 4; each decodes on cores / servers threads)")
+    deterministic_rollout: bool = opt(False, "embedded servers decode batch-invariantly: each "
+                                      "sequence alone, so its tokens and log-probs do not depend "
+                                      "on the batch or server that served it (slower; "
+                                      "docs/rollout.md)")
+    true_on_policy_mode: bool = opt(False, "embedded servers round their forward as the "
+                                    "trainer's (fp32): the weight-sync probe reads exactly 0 at "
+                                    "TP=1 (docs/rollout.md)")
 
     def validate_section(self) -> None:  # noqa: D102
         for name, flag in (("prompt_data", "--prompt-data"), ("hf_checkpoint", "--hf-checkpoint")):
@@ -71,6 +79,12 @@ class RolloutFlags(Section):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name, server_flag in (("deterministic_rollout", "--enable-batch-invariant"),
+                                  ("true_on_policy_mode", "--rl-on-policy-target megatron")):
+            if getattr(self, name) and self.rollout_urls:
+                raise ConfigError(f"--{name.replace('_', '-')} sets up the embedded servers this "
+                                  "run starts, not --rollout-urls: drop --rollout-urls, or start "
+                                  f"embedded servers there with {server_flag}")
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(f"--rollout-batch-size {self.rollout_batch_size} must be a multiple"
                               f" of --mini-batch-size {self.mini_batch_size}")
@@ -325,6 +339,12 @@ class ColocationFlags(Section):
     sglang_mem_fraction_static: float = opt(0.85, "SGLang's --mem-fraction-static of the rollout "
                                             "engines: the share of GPU memory for their weights "
                                             "and KV cache (the --dry-run plan budgets it)")
+    rollout_engine_memory: str | None = opt(
+        None, "with --colocate --rollout-urls: the engines' memory as they are handed over -- "
+        "launched (as python -m sglang.launch_server leaves them, holding weights and KV cache: "
+        "the trainer releases them before it builds its model) or released (a launch script "
+        "released kv_cache and weights); required there, checked against engines that report "
+        "it; docs/rollout.md", choices=("launched", "released"))
     sglang_tp_size: int = opt(1, "TP size of each rollout engine; with --colocate one engine runs "
                               "per this many GPUs (embedded servers on CPU: one per this many "
                               "ranks) and the --dry-run plan shards their weights by it")
@@ -336,8 +356,18 @@ class ColocationFlags(Section):
                               f"{self.sglang_mem_fraction_static}")
         if self.sglang_tp_size < 1:
             raise ConfigError(f"--sglang-tp-size must be >= 1, got {self.sglang_tp_size}")
-        if not self.colocate:
-            return
+        if not self.colocate or not self.rollout_urls:
+            if self.rollout_engine_memory is not None:
+                raise ConfigError("--rollout-engine-memory applies only with --colocate and "
+                                  "--rollout-urls (engines this run did not start); drop it")
+            if not self.colocate:
+                return
+        elif self.rollout_engine_memory is None:
+            raise ConfigError("--colocate --rollout-urls needs --rollout-engine-memory: launched "
+                              "(engines as python -m sglang.launch_server starts them; the "
+                              "trainer releases them) or released (kv_cache and weights "
+                              "released, as run_rl_colocate.sh did before issue 51); a wrong "
+                              "guess ends SGLang's scheduler at the first release or resume")
         if self.rollout_num_servers is not None:
             raise ConfigError("--rollout-num-servers does not apply with --colocate: one engine "
                               "runs per --sglang-tp-size ranks; drop it")
@@ -355,7 +385,7 @@ class ColocationFlags(Section):
 
 
 @dataclass
-class RLConfig(ToolFlags, ColocationFlags, EvalFlags, WeightSyncFlags, MicroBatchFlags,
+class RLConfig(OPDFlags, ToolFlags, ColocationFlags, EvalFlags, WeightSyncFlags, MicroBatchFlags,
                PolicyLossFlags, RewardFlags, AsyncRolloutFlags, DynamicSamplingFlags,
                RolloutStageFlags, SamplingFlags, RolloutFlags, PromptFlags, TrainConfig):
     """GPPO RL settings (plus every shared trainer flag). Defaults follow Klear-Reasoner."""

@@ -148,6 +148,18 @@ def test_colocated_8b_dry_run_plans_both_phases(trainer_dry_runs):
     assert colo["fits"] and colo["engine_weights_gib"] == 7.63, colo
     assert abs(colo["kv_sequences"] - 23.85) < 0.06, colo
     assert colo["training_gib"] == round(report["memory"]["gib"]["total"] + 2.0, 2)
+    # host memory per node (issue 51, defect 5): the offloaded state pinned per rank (the
+    # trainer's params + grads + optimizer state), 8 ranks a node, each process's own on top
+    host, gib = report["host"], report["memory"]["gib"]
+    assert abs(host["pinned_gib_per_rank"] - gib["params"] - gib["grads"] - gib["optimizer"]) \
+        <= 0.02, (host, gib)
+    assert host["ranks_per_node"] == 8 and host["fits"]
+    assert host["total_gib_per_node"] == round(host["pinned_gib_per_node"] + 8 * 4.0, 2)
+    proc, report = _colocate_dry_run("--host-memory-gb", "64")
+    assert proc.returncode == 2 and not report["host"]["fits"]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "host memory plan: 215.1 GiB per node (183.1 pinned" in err, err
+    assert "--host-memory-gb 64" in err, err
     proc, report = _colocate_dry_run(*SMALL_POOL)
     assert proc.returncode == 2 and not report["colocated"]["fits"]
     err = proc.stderr.strip().splitlines()[-1]

@@ -106,8 +106,10 @@ def _weight_bytes(model: Path, itemsize: int = 2) -> int:
 
 def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict:
     """Release the engines' memory (KV cache and weights) and read the GPU's free memory
-    rise, resume them (train() starts from the launch state and releases them itself), then
-    ``klear-rl --colocate`` for two steps in bf16: {"ok", "numbers", "history"}."""
+    rise, resume them (back as launched), then ``klear-rl --colocate --rollout-engine-memory
+    launched`` for two steps in bf16 -- the one hand-over of run_rl_colocate.sh and
+    tests/multiprocess/test_colocate.py: the trainer releases them before its model's build (issue 51):
+    {"ok", "numbers", "history"}."""
     from megatron_klear.train.main import load_config
     from megatron_klear.rollout.orchestration.client import RolloutClient
     from megatron_klear.rollout.transport.probe import PROBE_METRIC
@@ -124,7 +126,8 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
                                for i in range(8)))
     hist = train(load_config(RLConfig, [
         "--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--colocate",
-        "--rollout-urls", *urls, "--reward", "math", "--rollout-batch-size", "4",
+        "--rollout-urls", *urls, "--rollout-engine-memory", "launched", "--reward", "math",
+        "--rollout-batch-size", "4",
         "--mini-batch-size", "2", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
         "--rollout-max-response-len", "16", "--no-dynamic-sampling", "--bf16",
         "--use-distributed-optimizer", "--train-iters", "2", "--probe-interval", "1",

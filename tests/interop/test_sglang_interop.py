@@ -138,6 +138,9 @@ def test_tensor_handles_and_release_resume_on_real_sglang(servers, sglang_model)
     url = servers.urls[1]
     client = RolloutClient([url], request_timeout_s=120)
     before = torch.tensor(client.prompt_logprobs(PROBE_IDS)[0])
+    # any tag name is taken (offload_tags.add; nothing paused), as the embedded server takes it
+    assert _post(url, "/release_memory_occupation", {"tags": ["bogus"]}) == (200, None)
+    assert _post(url, "/resume_memory_occupation", {"tags": ["bogus"]}) == (200, None)
     for path, tag in [("/release_memory_occupation", "kv_cache"),
                       ("/release_memory_occupation", "weights"),
                       ("/resume_memory_occupation", "weights")]:
@@ -165,23 +168,28 @@ def test_tensor_handles_and_release_resume_on_real_sglang(servers, sglang_model)
 
 
 def test_klear_rl_colocated_on_real_sglang(servers, sglang_model, prompts, tmp_path):
-    """klear-rl --colocate (TP=2) against a real SGLang server released as the launch script
-    releases it: every step's hand-over (release, resume, each tag only in the state SGLang
-    accepts) and the tensor-handle sync go to SGLang; the probe is below 1e-3."""
+    """klear-rl --colocate (TP=2) against a real SGLang server as ``python -m
+    sglang.launch_server`` leaves it (holding weights and KV cache), handed over as
+    ``--rollout-engine-memory launched`` -- the one path run_rl_colocate.sh and tests/gpu take
+    (issue 51, defect 2: assuming it released ended SGLang at the first resume, KeyError
+    'weights'): the trainer releases it before building its model, then every step's
+    hand-over (each tag only in the state SGLang accepts) and the tensor-handle sync go to
+    SGLang; the probe is below 1e-3. Without --enable-memory-saver: SGLang cannot start
+    with it on a CPU (torch_memory_saver links libcuda.so.1)."""
     from tests.multiprocess.test_weight_sync import _post
 
-    url = servers.urls[1]
-    # as run_rl_colocate.sh hands engines over: released (SGLang cannot be asked, colocate.py)
-    assert _post(url, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}) == \
-        (200, None)
+    url = servers.urls[1]  # held: the test before resumed what it released
     args = _rl_args(sglang_model, prompts, tmp_path / "ck", [url], 2,
-                    "--tensor-model-parallel-size", "2", "--colocate")
+                    "--tensor-model-parallel-size", "2", "--colocate",
+                    "--rollout-engine-memory", "launched")
     hist = run_distributed(_rl_train, 2, args, timeout=600)[0]
     _check_run(hist, 2)
     assert all(m["colocate/offloaded_bytes"] > 0 for m in hist)
-    # the run ends with the KV cache released (Colocation.close); the module's later tests
-    # generate on this server: a resume of a released tag is SGLang's rule too
-    assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]}) == (200, None)
+    # the run ends with the KV cache and CUDA graphs released (Colocation.close); the
+    # module's later tests generate on this server: a resume of a released tag is SGLang's
+    # rule too
+    assert _post(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}) == \
+        (200, None)
 
 
 def test_server_with_tp_size_2(sglang_model, prompts, tmp_path, servers):

@@ -174,6 +174,9 @@ def test_bad_sft_multi_turn_exits_2_with_one_line(inputs, capsys, monkeypatch):
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--micro-batch-size", "3"], "--micro-batch-size"),
+    # issue 51, defect 2: given engines' memory is said, never assumed
+    (["--colocate", "--rollout-urls", "http://127.0.0.1:9"], "--rollout-engine-memory"),
+    (["--rollout-engine-memory", "launched"], "--rollout-engine-memory applies only"),
 ])
 def test_other_bad_rl_inputs_exit_2_with_one_line(inputs, capsys, flags, wants, monkeypatch):
     """More bad inputs through klear-rl's main (the console script's function, in this

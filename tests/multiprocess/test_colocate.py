@@ -19,6 +19,7 @@ from tests.rollout_helpers import load_reference, make_tiny_model, reference_log
 from tests.multiprocess.test_rl import hf_model, prompts  # noqa: F401 (fixtures)
 from tests.multiprocess.test_weight_sync import PROBE_IDS, SYNCED_TOL, _hf_bytes, _post
 from tests.virtual_cuda import run_strict
+from megatron_klear.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,10 @@ def test_release_resume_and_update_from_tensor(model_dir):
 
     with launch_embedded_servers(model_dir, 1) as servers:
         url = servers.urls[0]
-        assert _post(url, "/release_memory_occupation", {"tags": ["bogus"]})[0] == 400
+        # a tag SGLang does not know is taken into its offload_tags, nothing paused (issue 51)
+        assert _post(url, "/release_memory_occupation", {"tags": ["bogus"]}) == (200, None)
+        assert _post(url, "/resume_memory_occupation", {"tags": ["bogus"]}) == (200, None)
+        assert _post(url, "/release_memory_occupation", {"tags": "kv_cache"})[0] == 400
         for tag in ("kv_cache", "weights"):
             code, reply = _post(url, "/release_memory_occupation", {"tags": [tag]})
             assert (code, reply) == (200, None)
@@ -218,9 +222,10 @@ def _strict_colocated(rank: int, world: int, argv: list[str]) -> list[dict]:
 
 def test_colocated_run_as_the_launch_script_starts_it(model_dir, prompts, tmp_path):
     """Issue 38, defects 1 and 2, on the strict virtual-CUDA mode (the trainer's tensors
-    play cuda:LOCAL_RANK): two engines started and released (kv_cache, weights) before the
-    trainer starts, exactly as run_rl_colocate.sh does, one per GPU (CUDA_VISIBLE_DEVICES 0
-    and 1); klear-rl --colocate at DP=2 saving every step. No engine rule is broken (both
+    play cuda:LOCAL_RANK): two engines started as run_rl_colocate.sh starts them, one per
+    GPU (CUDA_VISIBLE_DEVICES 0 and 1), and handed over as launched (issue 51, defect 2:
+    ``--rollout-engine-memory launched``, the trainer releases them before its model's
+    build); klear-rl --colocate at DP=2 saving every step. No engine rule is broken (both
     engines alive, never released twice), each engine maps only handles of its own GPU (a
     handle of the other GPU is refused) and serves the synced weights (probe), the run ends
     with the engines' KV cache released; the trainer's device bytes are measured per phase:
@@ -229,18 +234,17 @@ def test_colocated_run_as_the_launch_script_starts_it(model_dir, prompts, tmp_pa
     from tests.multiprocess.test_rl import _rl_args
 
     with launch_embedded_servers(model_dir, 2) as servers:
-        for url in servers.urls:  # the launch script's release, before the trainer starts
-            assert _post(url, "/release_memory_occupation",
-                         {"tags": ["kv_cache", "weights"]}) == (200, None)
         argv = _rl_args(model_dir, prompts, tmp_path / "ck", 2, "--colocate",
-                        "--rollout-urls", *servers.urls, "--save-interval", "1", "--bf16",
+                        "--rollout-urls", *servers.urls, "--rollout-engine-memory", "launched",
+                        "--save-interval", "1", "--bf16",
                         "--use-distributed-optimizer", "--loss-backend", "torch")
         hist = run_strict(_strict_colocated, 2, argv, timeout=600)[0]
         alive = [p.poll() is None for p in servers.procs]
         held = {u: i["memory_released"] for u, i in RolloutClient(servers.urls).server_info()
                 .items()}
     assert alive == [True, True]
-    assert set(map(tuple, held.values())) == {("kv_cache",)}  # close(): KV released for good
+    # close(): KV cache and CUDA graphs released for good (issue 51: cuda_graph as slime)
+    assert set(map(tuple, held.values())) == {("cuda_graph", "kv_cache")}
     assert len(hist) == 2 and (tmp_path / "ck" / "iter_0000001").is_dir()
     gib = 2**30
     for m in hist:
@@ -282,24 +286,28 @@ def _plan(argv: list[str]):
     return SimpleNamespace(trainer=peak.total, save_state=peak.params + peak.grads + peak.optimizer)
 
 
+_SAVE_CFG = TrainConfig(bf16=True, use_distributed_optimizer=True, train_iters=1,
+                        global_batch_size=1, micro_batch_size=1)
+
+
 def _save_phase(rank: int, world: int, hf: str, urls: list[str]) -> dict:
     """Colocation's save and close against an embedded engine holding weights and KV cache
     (as after a sync), and a handle of this rank's virtual GPU sent to engines on GPU 0 and
     GPU 1."""
-    from megatron_klear.config import TrainConfig
+    from megatron_klear import platform, virtual_cuda
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.rollout.transport.tensor_handles import serialize_bucket, shared_buffer
-    from megatron_klear.train.colocate import Colocation
+    from megatron_klear.train.colocate import ENGINE_MEMORY, Colocation
     from megatron_klear.train.engine import build_engine
 
     arch = qwen3_config_from_hf(load_hf_config(hf))
-    eng = build_engine(TrainConfig(bf16=True, use_distributed_optimizer=True, train_iters=1,
-                                   global_batch_size=1, micro_batch_size=1), arch)
+    eng = build_engine(_SAVE_CFG, arch)
     client = RolloutClient(urls[:1])
     info = lambda: client.server_info()[urls[0]]["memory_released"]  # noqa: E731
-    colo = Colocation(eng, client)
+    colo = Colocation(eng, client, ENGINE_MEMORY["launched"])  # a fresh engine: holding
     out = {"start": info()}
     colo.offload.offload()  # after a sync: the trainer offloaded, the engine holds everything
+    out["pinned"] = platform.pinned_bytes()  # as CUDA torch would pin them (platform.py)
     offloaded = torch.cuda.memory_allocated()
     with colo.trainer_resident():
         out["in_save"] = info()
@@ -336,10 +344,184 @@ def test_saves_and_the_end_release_the_engines_kv_cache(model_dir):
     The virtual GPU refuses an allocation beyond its size, as CUDA's allocator does."""
     with launch_embedded_servers(model_dir, 2) as servers:
         r = run_strict(_save_phase, 1, str(model_dir), servers.urls, timeout=300)[0]
-    assert r["start"] == [] and r["in_save"] == ["kv_cache"] and r["after_save"] == []
+    assert r["start"] == [] and r["in_save"] == ["cuda_graph", "kv_cache"]
+    assert r["after_save"] == []
     assert r["save_bytes"] == r["state_bytes"] > 0 and r["after_save_bytes"] == 0
-    assert r["after_close"] == ["kv_cache"] and r["onloaded"]
+    assert r["after_close"] == ["cuda_graph", "kv_cache"] and r["onloaded"]
+    # issue 51, defect 5: what the offload pins is the dry run's pinned bytes per rank (the
+    # arena pins exactly; one power-of-two block per storage pinned 1.15x here)
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.train.memory import Workload, plan_host, plan_memory
+
+    work = Workload(_SAVE_CFG.seq_length)
+    plan = plan_memory(qwen3_config_from_hf(load_hf_config(model_dir)), _SAVE_CFG, 1, work)
+    planned = plan_host(plan, work, 1, colocate=True).pinned_per_rank
+    assert abs(r["pinned"] - planned) <= 0.1 * planned, (r["pinned"], planned)
     assert "CUDA out of memory (virtual GPU cuda:0)" in r["oom"]
     gpu0, gpu1 = (r[u] for u in servers.urls)
     assert gpu0[0] == 400 and "model.norm.weight" in gpu0[1]["message"]  # mapped, wrong shape
     assert gpu1[0] == 400 and "Invalid device_uuid=GPU-virtual-0" in gpu1[1]["message"]
+
+
+def _strict_handle(rank: int, world: int) -> dict:
+    """A strict-mode bucket handle: the pickle's globals and device slot, the receiver's
+    mapping of it (under CUDA_VISIBLE_DEVICES 0 and 1), and the IPC limbo it leaves."""
+    import base64
+    import os
+    import pickletools
+
+    from megatron_klear import platform, virtual_cuda
+    from megatron_klear.rollout.transport.tensor_handles import release_buffer
+
+    flat = shared_buffer(16, torch.device("cuda"))
+    flat.copy_(torch.arange(16, dtype=torch.uint8))
+    payload = serialize_bucket(flat, [("w", (4,), torch.float32, 0)])
+    ops = list(pickletools.genops(base64.b64decode(payload)))
+    strings = [arg for op, arg, _ in ops if isinstance(arg, str)]
+    out = {"globals": [f"{m}.{n}" for m, n in zip(strings, strings[1:])
+                       if m.startswith(("torch.", "sglang.", "megatron_klear"))],
+           "uuid_slot": "GPU-virtual-0" in strings}
+    got = bucket_tensors(deserialize(payload))[0][1]
+    out["same_bytes"] = torch.equal(got.view(torch.uint8), torch.arange(16, dtype=torch.uint8))
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # an engine on the other GPU
+    try:
+        deserialize(payload)
+    except RuntimeError as exc:
+        out["other_gpu"] = str(exc)
+    del os.environ["CUDA_VISIBLE_DEVICES"]
+    del got
+    before = torch.cuda.memory_allocated()
+    release_buffer(flat)
+    del flat
+    out["limbo"], out["freed_before_collect"] = virtual_cuda.ipc_limbo_bytes(), \
+        before - torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    out["limbo_after_empty_cache"] = virtual_cuda.ipc_limbo_bytes()
+    torch.cuda.ipc_collect()
+    out["limbo_after_collect"] = virtual_cuda.ipc_limbo_bytes()
+    out["freed_after_collect"] = before - torch.cuda.memory_allocated()
+    out["shared"] = virtual_cuda.ipc_shared_count()
+    return out
+
+
+def test_strict_handles_pickle_as_cuda_and_wait_for_ipc_collect():
+    """Issue 51, defects 1 and 3's twin: a virtual-GPU bucket is pickled as a GPU's is
+    (torch's ``rebuild_cuda_tensor``, the GPU's UUID in SGLang's device slot; no name of
+    this project's), the receiver maps it to its own device by UUID (refused from an engine
+    that does not see that GPU) and reads the sender's bytes; once dropped, the buffer
+    stays allocated in the IPC limbo through ``empty_cache()`` until ``ipc_collect()``."""
+    r = run_strict(_strict_handle, 1)[0]
+    assert "torch.multiprocessing.reductions.rebuild_cuda_tensor" in r["globals"]
+    assert not [g for g in r["globals"] if "megatron_klear" in g or "virtual" in g]
+    assert r["uuid_slot"] and r["same_bytes"]
+    assert "Invalid device_uuid=GPU-virtual-0" in r["other_gpu"]
+    assert r["limbo"] == 16 and r["freed_before_collect"] == 0
+    assert r["limbo_after_empty_cache"] == 16
+    assert r["limbo_after_collect"] == 0 and r["freed_after_collect"] == 16
+    assert r["shared"] == 1
+
+
+def _sync_layouts(rank: int, world: int, hf: str, urls: list[str], pids: list[int]) -> dict:
+    """Tensor-handle syncs of a 2-rank trainer (DP 2): to one engine (rank 1's GPU has
+    none), then to two engines of which the first is killed before the sync."""
+    import os
+    import signal
+
+    from megatron_klear import platform, virtual_cuda
+    from megatron_klear.config import TrainConfig
+    from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
+    from megatron_klear.rollout.transport.tensor_sync import TensorWeightSync
+    from megatron_klear.train.engine import build_engine
+    from megatron_klear.train.memory import SYNC_BUCKETS
+
+    arch = qwen3_config_from_hf(load_hf_config(hf))
+    eng = build_engine(TrainConfig(train_iters=1, global_batch_size=2, micro_batch_size=1), arch)
+    out = {}
+    for name, engines in (("one_engine", urls[:1]), ("first_dead", urls)):
+        sync = TensorWeightSync(engines, eng.model, arch, bucket_bytes=2**16)
+        sync.connect()
+        if name == "first_dead" and rank == 0:
+            os.kill(pids[0], signal.SIGKILL)
+        shared, before = virtual_cuda.ipc_shared_count(), torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            sync.sync(weight_version="1")
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the failure is the result
+            out[name] = f"{type(exc).__name__}: {exc}"
+        out[name + "_held"] = torch.cuda.max_memory_allocated() - before
+        out[name + "_plan"] = SYNC_BUCKETS * max(sync.bucket_sizes, default=0)
+        out[name + "_shared"] = virtual_cuda.ipc_shared_count() - shared
+        out[name + "_limbo"] = virtual_cuda.ipc_limbo_bytes()
+        sync.close()
+    return out
+
+
+def test_tensor_sync_shares_only_what_engines_receive_and_collects_it(model_dir):
+    """Issue 51, defects 3 and 4 (strict virtual-CUDA mode, trainer ranks on GPUs 0 and 1):
+    with one engine (on GPU 0) only rank 0 shares buckets (a handle no engine receives
+    would leak its block); no rank leaves a freed shared block uncollected after a sync
+    (``ipc_collect`` behind a barrier); with engines on GPUs 0 and 1, the first dead, the
+    survivor still gets GPU 1's handles (mapped by UUID, not by the live engines' order:
+    else "Invalid device_uuid"); a sending rank holds no more than the plan's sync phase."""
+    with launch_embedded_servers(model_dir, 2) as servers:
+        r = run_strict(_sync_layouts, 2, str(model_dir), servers.urls,
+                       [p.pid for p in servers.procs], timeout=600)
+    assert [x["one_engine"] for x in r] == ["ok", "ok"]
+    assert r[0]["one_engine_shared"] > 0 and r[1]["one_engine_shared"] == 0
+    assert [x["first_dead"] for x in r] == ["ok", "ok"], r
+    assert r[0]["first_dead_shared"] == 0 and r[1]["first_dead_shared"] > 0
+    assert [(x["one_engine_limbo"], x["first_dead_limbo"]) for x in r] == [(0, 0), (0, 0)]
+    # what a sending rank holds is the plan's sync phase: SYNC_BUCKETS buckets, each dropped
+    # one collected at once (else the limbo grows to the whole model by the sync's end)
+    for x, sending in zip(r, ("one_engine", "first_dead")):
+        assert 0 < x[sending + "_held"] <= x[sending + "_plan"], x
+
+
+def test_engines_that_report_their_memory_are_checked_against_the_flag(model_dir):
+    """Issue 51, defect 2: the state the run is told (``--rollout-engine-memory``) is
+    checked against an engine that reports it (the embedded server): a fresh engine said to
+    be released is refused before any hand-over; said launched, the trainer releases it
+    (KV cache, then weights) and it reports both released."""
+    from megatron_klear.train.colocate import ENGINE_MEMORY, engine_memory_state, \
+        release_launched_engines
+
+    with launch_embedded_servers(model_dir, 1) as servers:
+        client = RolloutClient(servers.urls)
+        with pytest.raises(RuntimeError, match=r"has released \[\], but the run was told "
+                                               r"\['cuda_graph', 'kv_cache', 'weights'\]"):
+            engine_memory_state(client, ENGINE_MEMORY["released"])
+        release_launched_engines(servers.urls)
+        assert engine_memory_state(client, ENGINE_MEMORY["released"]) == {
+            "cuda_graph", "kv_cache", "weights"}
+        assert client.server_info()[servers.urls[0]]["memory_released"] == [
+            "cuda_graph", "kv_cache", "weights"]
+
+
+def _gpu_smoke_colocated(rank: int, world: int, model: str, urls: list[str], tmp: str) -> list:
+    """tests/gpu/colocate_smoke.py's ``colocated_run`` (what gpu_check.py's colocate step
+    runs after starting its engine) as it runs on a GPU: the probe of each sync."""
+    from pathlib import Path
+
+    from megatron_klear.rollout.transport.probe import PROBE_METRIC
+    from tests.gpu.colocate_smoke import colocated_run
+    from tests.virtual_cuda import virtual_cuda_kernels
+
+    with virtual_cuda_kernels():  # --loss-backend auto takes the (emulated) CUDA kernels
+        got = colocated_run(urls, Path(model), Path(tmp), BF16_PROBE_TOL)
+    return [m.get(PROBE_METRIC) for m in got["history"]]
+
+
+def test_gpu_colocate_smoke_runs_on_the_strict_twin(model_dir, tmp_path):
+    """Issue 51: the GPU scripts' colocated run (release and resume of a fresh engine, then
+    ``klear-rl --colocate --rollout-engine-memory launched``, bf16, two syncs with a probe
+    each) under the strict virtual-CUDA mode against an embedded engine, with the same
+    engine calls it makes on a GPU: defect 1 (handles refused) and defect 2 (engines assumed
+    released: the run refused, or the engine ended at the first resume) fail it on CPU. Only
+    the free-memory reading is a GPU's (it reads 0 here)."""
+    with launch_embedded_servers(model_dir, 1) as servers:
+        probes = run_strict(_gpu_smoke_colocated, 1, str(model_dir), servers.urls,
+                            str(tmp_path), timeout=900)[0]
+        alive = servers.procs[0].poll() is None
+    assert alive and len(probes) == 2
+    assert all(p is not None and p < BF16_PROBE_TOL for p in probes), probes

@@ -220,3 +220,22 @@ def test_converter_model_is_all_on_meta(strict_run):
     """Defect 4: megatron's layers and the local RMSNorm name the CUDA device explicitly, which
     ``with torch.device("meta")`` alone does not override (a GPU would allocate the model)."""
     assert _value(strict_run, "meta_model") == {"dense": ["meta"], "moe": ["meta"]}
+
+
+def test_gpu_check_steps_fit_the_time_left_after_the_build():
+    """Issue 51: tests/gpu/gpu_check.py's step budgets add up to at most what
+    tools/gpu_check.sh leaves the checks (its 480 s, less the setup's allowance and the closing
+    margin), so every check has its turn in 8 minutes (they added up to 930 s against about
+    420); the script uses the same totals, and every step has a budget, in run order."""
+    import re
+
+    from tests.gpu import gpu_check
+
+    assert list(gpu_check.STEPS) == list(gpu_check.STEP_TIMEOUT_S)
+    assert sum(gpu_check.STEP_TIMEOUT_S.values()) <= gpu_check.CHECKS_BUDGET_S
+    assert gpu_check.TOTAL_S == 480  # 8 minutes on one H100/H200
+    script = (Path(__file__).parents[2] / "tools" / "gpu_check.sh").read_text()
+    total, close = map(int, re.search(r"budget=\$\(\((\d+) - \(SECONDS - start\) - (\d+)\)\)",
+                                      script).groups())
+    assert (total, close) == (gpu_check.TOTAL_S, gpu_check.CLOSE_S)
+    assert f"(allowed {gpu_check.SETUP_ALLOWANCE_S})" in script

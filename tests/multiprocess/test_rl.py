@@ -382,6 +382,58 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
             assert got[step][key] == ref[step][key], (step, key)
 
 
+def _busy(seconds: float) -> None:
+    """Spin one core for ``seconds`` (a bounded background load)."""
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
+
+
+# what a run's timing changes: wall times and rates
+TIMING_KEYS = ("time", "weight_sync/seconds", "weight_sync/gbps")
+
+
+def _timeless(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("time/")
+             and not k.endswith("per_s")} for r in rows]
+
+
+def test_same_run_same_numbers_under_load_delays_and_server_count(hf_model, prompts, tmp_path):
+    """--deterministic-rollout --true-on-policy-mode: a 2-step run gives bitwise-equal metrics
+    (losses, rewards, rollout log-probs, the probe) run plain on the default servers, and again
+    on 3 servers (1 thread each) whose replies are delayed at random (server.REPLY_DELAY_ENV)
+    beside two busy cores. Without --deterministic-rollout the rollout log-probs
+    (train/mismatch_abs_logprob) differ: a batched forward's numbers depend on the batch a
+    sequence shares (docs/rollout.md). The weight-sync probe reads exactly 0.0 after each sync
+    (without the on-policy mode ~5e-6)."""
+    import multiprocessing
+
+    from megatron_klear.rollout.transport.probe import PROBE_METRIC
+    from megatron_klear.rollout.engine.server import REPLY_DELAY_ENV
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cli = lambda save, *extra: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
+                                *_rl_args(hf_model, prompts, save, 2, "--deterministic-rollout",
+                                          "--true-on-policy-mode", *extra)]
+    subprocess.run(cli(tmp_path / "plain"), check=True, env=env, capture_output=True)
+    load = [multiprocessing.get_context("fork").Process(target=_busy, args=(120,), daemon=True)
+            for _ in range(2)]
+    for p in load:
+        p.start()
+    try:
+        subprocess.run(cli(tmp_path / "loaded", "--rollout-num-servers", "3"), check=True,
+                       env=env | {REPLY_DELAY_ENV: "1:0.3"}, capture_output=True)
+    finally:
+        for p in load:
+            p.terminate()
+    plain, loaded = (_timeless(read_metrics(tmp_path / d / "metrics.jsonl"))
+                     for d in ("plain", "loaded"))
+    assert len(plain) == 2 and "train/mismatch_abs_logprob" in plain[0]
+    assert loaded == plain
+    # --true-on-policy-mode: the servers' log-probs are the trainer's after every sync (TP=1)
+    assert [r[PROBE_METRIC] for r in plain] == [0.0, 0.0]
+
+
 def test_killed_async_run_resumes_exactly(hf_model, prompts, tmp_path):
     """--async-rollout: SIGKILL after step 2 with step 3's batch generated ahead; the resumed
     run trains every prompt of the epoch exactly once (the checkpoint holds the cursor of the
@@ -438,6 +490,17 @@ def test_share_prompts_refused_where_its_tree_mask_cannot_run(bad):
     assert parse_config(RLConfig, base).share_prompts
     with pytest.raises(ConfigError, match="--share-prompts"):
         parse_config(RLConfig, base + bad)
+
+
+@pytest.mark.parametrize("flag", ["--deterministic-rollout", "--true-on-policy-mode"])
+def test_embedded_server_modes_refused_with_rollout_urls(flag):
+    from megatron_klear.config import ConfigError, parse_config
+    from megatron_klear.train.rl import RLConfig
+
+    base = ["--hf-checkpoint", "hf", "--prompt-data", "p.jsonl", flag]
+    assert parse_config(RLConfig, base)
+    with pytest.raises(ConfigError, match=flag):
+        parse_config(RLConfig, base + ["--rollout-urls", "http://127.0.0.1:1"])
 
 
 def test_probe_interval_names_the_probed_steps():

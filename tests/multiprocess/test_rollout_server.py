@@ -428,3 +428,33 @@ def test_compaction_keeps_few_row_counts():
     assert _compaction(batch(64, list(range(20)))) == list(range(32))
     assert _compaction(batch(64, [3, 9])) == [3, 9]  # below 16 rows: exactly the unfinished
     assert _compaction(batch(12, list(range(10)))) is None  # 10 of 12 left: not yet
+
+
+def test_batch_invariant_sequence_alone_equals_in_any_batch(model_dir, reference):
+    """--enable-batch-invariant: a seeded sequence's tokens and log-probs are bit-identical
+    decoded alone and in mixed batches (other prompts of other lengths before and after it,
+    finishing at other steps). Without it the batched forward changes its log-probs (left
+    padding, row counts: the cause this flag removes)."""
+    from megatron_klear.rollout.engine.generator import Generator, Sequence
+
+    _, tok = reference
+    params = SamplingParams(max_new_tokens=16, temperature=1.0,
+                            stop_token_ids=list(range(10, 40, 3)))
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    running = threading.Event()
+    running.set()
+
+    def decode(gen: Generator, batch: list[int]) -> list[tuple]:
+        seqs = [Sequence(list(ids[i % len(ids)]), params, seed=100 + i) for i in batch]
+        gen.run_batch(seqs, threading.Event(), running)
+        return [(s.output_ids, s.logprobs) for s in seqs]
+
+    target = 2  # the one-token prompt "x": every other row pads it
+    for invariant in (True, False):
+        gen = Generator(model_dir, batch_invariant=invariant)
+        alone = decode(gen, [target])[0]
+        mixed = [decode(gen, [0, 1, target, 3, 4, 5])[2], decode(gen, [target, 7, 4, 1])[0],
+                 decode(gen, [5, 6, 0, 3, 1, target])[5]]
+        assert len(alone[0]) > 1
+        same = [m == alone for m in mixed]
+        assert all(same) if invariant else not all(same), (invariant, same)

@@ -120,13 +120,24 @@ class Generator:
 
     ``device``: where the weights, the KV cache and the forward live (``cpu``; ``cuda`` for
     the GPU check's colocated hand-over, tests/gpu/gpu_check.py); sampling stays on the host
-    (the last logits are copied there each step), so its numbers do not depend on it."""
+    (the last logits are copied there each step), so its numbers do not depend on it.
+
+    ``batch_invariant``: :meth:`run_batch` decodes every sequence alone, so a sequence's
+    tokens and log-probs are the same whatever other sequences came in its batch: a batched
+    forward's numbers depend on the batch (the left padding a row gets changes the length,
+    so the order, of its attention reductions; the row count picks oneDNN's and MKL's
+    kernels), measured in docs/rollout.md. It costs the batching's speed. ``on_policy``: the
+    forward rounds as the trainer's megatron forward does (q/k norm and rotary embedding as
+    separate ops), so a prefill's log-probs equal the trainer's bit for bit at TP=1."""
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 load_format: str = "auto", device: str = "cpu") -> None:
+                 load_format: str = "auto", device: str = "cpu",
+                 batch_invariant: bool = False, on_policy: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
+        self.batch_invariant = batch_invariant
+        self.on_policy = on_policy
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if load_format == "dummy":  # SGLang's --load-format dummy: random weights, no file reads
             config = AutoConfig.from_pretrained(self.model_dir)
@@ -192,7 +203,12 @@ class Generator:
         ``abort`` set finishes every unfinished sequence with reason ``abort``; ``retract`` set
         (a ``retract`` pause, as SGLang's) drops the KV cache when decoding resumes and
         prefills prompt + tokens so far again with the weights loaded meanwhile.
+        ``batch_invariant``: one sequence after the other, each its own batch.
         """
+        if self.batch_invariant and len(seqs) > 1:
+            for s in seqs:
+                self.run_batch([s], abort, running, retract)
+            return
         self._capturing = any(s.want_routed_experts for s in seqs)
         ids, logits, pos, cache = self._prefill(seqs)
         self._fill_input_logprobs(seqs, ids, logits)
@@ -260,7 +276,7 @@ class Generator:
             if self._fused is None and self._fuses():
                 self._fused = FusedWeights(self.model)
             return forward(self.model, ids.to(self.device), positions.to(self.device), cache,
-                           all_logits, self._fused).cpu()
+                           all_logits, self._fused, fused_rope=not self.on_policy).cpu()
 
     def _fuses(self) -> bool:
         """Whether the forward runs fused projections: an fp32 CPU model where oneDNN's
@@ -286,12 +302,14 @@ class Generator:
 
     def _fill_input_logprobs(self, seqs: list[Sequence], ids: torch.Tensor,
                              logits: torch.Tensor) -> None:
-        """Logprob of prompt token j given tokens < j (j >= 1), for sequences that ask."""
+        """Logprob of prompt token j given tokens < j (j >= 1), for sequences that ask: of
+        the unscaled logits, whatever the request's temperature, as SGLang's
+        (sglang/srt/layers/logprob_processor.py applies no temperature to input logprobs)."""
         for row, s in enumerate(seqs):
             if not s.want_input_logprobs or len(s.prompt_ids) < 2:
                 continue
             start = ids.shape[1] - len(s.prompt_ids)
-            temp = torch.tensor([s.cfg.temperature] * (len(s.prompt_ids) - 1))
+            temp = torch.ones(len(s.prompt_ids) - 1)
             lp = token_logprobs(logits[row, start:-1], temp)
             targets = ids[row, start + 1:]
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()

@@ -175,13 +175,16 @@ def launch_embedded_servers(model_dir: str | Path, num_servers: int = 1, *,
                             host: str = "127.0.0.1", base_port: int | None = None, seed: int = 0,
                             log_dir: str | Path | None = None, dtype: str = "float32",
                             load_format: str = "auto", num_threads: int = 1,
-                            return_routed_experts: bool = False,
+                            return_routed_experts: bool = False, batch_invariant: bool = False,
+                            on_policy: bool = False,
                             startup_timeout_s: float = 120.0) -> RolloutServers:
     """Start ``num_servers`` embedded CPU servers (server i gets seed + i) and wait for /health.
 
     They run with ``--enable-deterministic-inference``: seeded requests are reproducible;
     with ``return_routed_experts`` (``--use-routing-replay``) also with
-    ``--enable-return-routed-experts``. Server i plays an engine on GPU i
+    ``--enable-return-routed-experts``; with ``batch_invariant`` (``--deterministic-rollout``)
+    also with ``--enable-batch-invariant``; with ``on_policy`` (``--true-on-policy-mode``)
+    also with ``--rl-on-policy-target megatron``. Server i plays an engine on GPU i
     (``CUDA_VISIBLE_DEVICES=i``, as :func:`launch_sglang_servers` places TP-1 engines): a
     colocated trainer's tensor handles of another GPU are refused there, as SGLang refuses them.
     """
@@ -194,6 +197,8 @@ def launch_embedded_servers(model_dir: str | Path, num_servers: int = 1, *,
                  "--load-format", load_format, "--num-threads", str(num_threads),
                  "--enable-deterministic-inference"]
                 + (["--enable-return-routed-experts"] if return_routed_experts else [])
+                + (["--enable-batch-invariant"] if batch_invariant else [])
+                + (["--rl-on-policy-target", "megatron"] if on_policy else [])
                 for i, port in enumerate(ports)]
     envs = [server_env(OMP_NUM_THREADS=str(num_threads), CUDA_VISIBLE_DEVICES=str(i))
             for i in range(num_servers)]

@@ -169,14 +169,17 @@ class KVCache:
 
 
 def _attention_inputs(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
+                      cos: torch.Tensor, sin: torch.Tensor, b: int, fused_rope: bool = True
+                      ) -> tuple[torch.Tensor, ...]:
     """The layer's queries, keys and values [b, heads, t, d] of its projections ``q``, ``k``,
     ``v`` [b * t, heads * d]: queries and keys each head RMS-normed (q_norm / k_norm) and
     rotated (``apply_rotary_pos_emb``; ``cos``/``sin`` [b, t, d]), for an fp32 CPU model in one
-    ``klear::qk_norm_rope`` pass per tensor."""
+    ``klear::qk_norm_rope`` pass per tensor unless ``fused_rope`` is False: the separate norm
+    and rotation then round as megatron's q/k layernorm and rotary embedding do (the fused
+    pass differs from them by 1-2 ulp, the only op of the forward that does, docs/rollout.md)."""
     t, d = q.shape[0] // b, attn.head_dim
     q, k, v = (y.view(b, t, -1, d) for y in (q, k, v))
-    kernel = _kernel("qk_norm_rope") if _on_kernels(q) else None
+    kernel = _kernel("qk_norm_rope") if fused_rope and _on_kernels(q) else None
     if kernel is None:
         from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
@@ -258,12 +261,13 @@ def _step_linear(x: torch.Tensor, fused: FusedWeights | None) -> Callable:
 
 @torch.no_grad()
 def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
-            cache: KVCache, all_logits: bool = False, fused: FusedWeights | None = None
-            ) -> torch.Tensor:
+            cache: KVCache, all_logits: bool = False, fused: FusedWeights | None = None,
+            fused_rope: bool = True) -> torch.Tensor:
     """fp32 logits of ``ids`` [b, t] at ``positions`` [b, t], appended to ``cache``: of every
     position with ``all_logits``, else of the last only ([b, t or 1, V]). ``fused``: the
     model's current weights fused (:class:`FusedWeights`); one-token steps then run their
-    projections through oneDNN."""
+    projections through oneDNN. ``fused_rope`` False: q/k norm and rotary embedding as
+    separate ops (:func:`_attention_inputs`)."""
     inner = model.model
     b, t = ids.shape
     cache.reserve(cache.length + t)
@@ -276,7 +280,7 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
         attn = layer.self_attn
         projected = _qkv(attn, _norm(layer.input_layernorm, hidden),
                          fused.qkv[i] if fused else None, linear)
-        q, k, v = _attention_inputs(attn, *projected, cos, sin, b)
+        q, k, v = _attention_inputs(attn, *projected, cos, sin, b, fused_rope)
         cache.append(i, k, v)
         attended = cache.attend(i, q, mask, attn.scaling).view(b * t, -1)
         hidden = hidden + _linear(attn.o_proj, attended, linear)

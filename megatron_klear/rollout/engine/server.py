@@ -55,11 +55,14 @@ import json
 import logging
 import os
 import pickle
+import random
 import signal
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from aiohttp import web
@@ -77,6 +80,27 @@ from megatron_klear.rollout.transport.update_group import (UpdateGroup, open_upd
 __all__ = ["RolloutServer", "build_app", "main"]
 
 log = logging.getLogger("megatron_klear.rollout.engine.server")
+
+# test hook: "SEED:MAX_S" delays each /generate reply by a seeded random time in [0, MAX_S), so
+# tests can make replies arrive in another order than the requests went out (tests/multiprocess/test_rl.py)
+REPLY_DELAY_ENV = "MEGATRON_KLEAR_TEST_REPLY_DELAY"
+
+
+def _reply_delays(server_seed: int) -> Callable[[], float] | None:
+    """The seeded delay draws of :data:`REPLY_DELAY_ENV` (None when unset); a bad value exits
+    2 naming it."""
+    value = os.environ.get(REPLY_DELAY_ENV)
+    if not value:
+        return None
+    try:
+        seed, max_s = (float(x) for x in value.split(":"))
+    except ValueError:
+        print(f"error: {REPLY_DELAY_ENV}={value!r}: expected SEED:MAX_SECONDS, e.g. 0:0.5",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    rng = random.Random(int(seed) * 1000 + server_seed)
+    return lambda: rng.uniform(0.0, max_s)
+
 
 # SGLang's memory tags (sglang/srt/constants.py, GPU_MEMORY_ALL_TYPES), in its order
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
@@ -114,8 +138,10 @@ class RolloutServer:
     """State of one embedded server: generator, scheduler, pause flags, weight-update groups."""
 
     def __init__(self, generator: Generator, *, max_batch_seqs: int = 64,
-                 deterministic: bool = False, return_routed_experts: bool = False) -> None:
+                 deterministic: bool = False, return_routed_experts: bool = False,
+                 seed: int = 0) -> None:
         self.gen = generator
+        self.reply_delay = _reply_delays(seed)
         self.deterministic = deterministic
         self.return_routed_experts = return_routed_experts  # --enable-return-routed-experts
         self.max_batch_seqs = max_batch_seqs
@@ -183,8 +209,13 @@ class RolloutServer:
 
     @staticmethod
     def _input_logprobs(s: Sequence, start: int) -> list[list]:
+        """SGLang's ``input_token_logprobs``: one entry per prompt token from ``start`` on,
+        the first one's logprob None whatever ``start`` is
+        (sglang/srt/managers/scheduler_components/logprob_result_processor.py
+        ``_process_input_token_logprobs``: ``[None] + input_token_logprobs[:-1]``)."""
         lps = [None] + s.input_logprobs
-        return [[lps[j], s.prompt_ids[j], None] for j in range(start, len(s.prompt_ids))]
+        return [[None if j == start else lps[j], s.prompt_ids[j], None]
+                for j in range(start, len(s.prompt_ids))]
 
     # ------------------------------------------------------------------ /generate
     def parse_generate(self, body: dict) -> _Request:
@@ -198,7 +229,7 @@ class RolloutServer:
         """
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded server")
-        if self.released:
+        if self.released & set(MEMORY_TAGS):
             raise RequestError(f"memory released (tags {sorted(self.released)}): POST "
                                "/resume_memory_occupation before generating")
         prompts, batched = self._prompts(body)
@@ -281,7 +312,10 @@ class RolloutServer:
         req = self.parse_generate(await _json_body(request))
         self.pending.append(req)
         self.wakeup.set()
-        return web.json_response(await req.future)
+        reply = await req.future
+        if self.reply_delay is not None:
+            await asyncio.sleep(self.reply_delay())
+        return web.json_response(reply)
 
     # ------------------------------------------------------------------ admin
     async def health(self, request: web.Request) -> web.Response:
@@ -484,10 +518,12 @@ class RolloutServer:
         return web.json_response({"success": True, "message": message})
 
     def _memory_tags(self, body: dict) -> list[str]:
+        """The request's tags, none meaning all three. Any other string is taken as SGLang
+        takes it: into its ``offload_tags``, with nothing to pause or resume."""
         tags = body.get("tags") or list(MEMORY_TAGS)
-        if not (isinstance(tags, list) and set(tags) <= set(MEMORY_TAGS)):
-            raise RequestError(f"tags={tags!r}: expected a list of {list(MEMORY_TAGS)} "
-                               "(SGLang's names) or none for all")
+        if not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise RequestError(f"tags={tags!r}: expected a list of tag names ({list(MEMORY_TAGS)} "
+                               "are SGLang's) or none for all")
         return tags
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
@@ -498,7 +534,7 @@ class RolloutServer:
         if self.running or (self.pending and self.resumed.is_set()):
             raise RequestError("release_memory_occupation should be called only when server "
                                "is idle.")
-        again = [t for t in tags if t in self.released]
+        again = [t for t in tags if t in self.released and t in MEMORY_TAGS]  # paused twice
         if again:
             _end_engine(f"release_memory_occupation{again}: Cannot pause allocation that is "
                         "not active (torch_memory_saver; the tags were released already)")
@@ -621,6 +657,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="answer return_routed_experts (MoE routing replay), as SGLang does only "
                         "with this flag")
+    p.add_argument("--enable-batch-invariant", action="store_true",
+                   help="decode each sequence alone (no padding, one row per forward), so its "
+                        "tokens and log-probs do not depend on the batch it came in (slower)")
+    p.add_argument("--rl-on-policy-target", choices=["megatron"], default=None,
+                   help="round the forward as the trainer's does (SGLang's flag for true "
+                        "on-policy RL): fp32 prefill log-probs equal megatron's at TP=1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model computes (SGLang's flag; cuda: the GPU check's "
@@ -641,7 +683,9 @@ def _load_generator(args: argparse.Namespace) -> Generator:
                          "Hugging Face Qwen3 checkpoint")
     try:
         return Generator(args.model, seed=args.seed, dtype=getattr(torch, args.dtype),
-                         load_format=args.load_format, device=args.device)
+                         load_format=args.load_format, device=args.device,
+                         batch_invariant=args.enable_batch_invariant,
+                         on_policy=args.rl_on_policy_target == "megatron")
     except (OSError, ValueError, KeyError) as exc:
         raise SystemExit(f"--model {args.model}: cannot load a Qwen3 model ({exc})") from exc
 
@@ -649,7 +693,8 @@ def _load_generator(args: argparse.Namespace) -> Generator:
 async def _serve(args: argparse.Namespace, generator: Generator) -> None:
     server = RolloutServer(generator, max_batch_seqs=args.max_batch_seqs,
                            deterministic=args.enable_deterministic_inference,
-                           return_routed_experts=args.enable_return_routed_experts)
+                           return_routed_experts=args.enable_return_routed_experts,
+                           seed=args.seed)
     runner = web.AppRunner(build_app(server), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

@@ -217,6 +217,21 @@ class RolloutClient:
         """Blocking :meth:`agenerate`; works with or without a running loop in this thread."""
         return self._run_sync(self.agenerate(prompts, params, seeds, max_new_tokens))
 
+    def post_balanced(self, path: str, payloads: list[dict]) -> list[Any]:
+        """POST each of ``payloads`` to ``path`` on the least-loaded live server, concurrently
+        (at most ``max_concurrency`` at once), retried as generations are; the replies in
+        order."""
+        async def run() -> list[Any]:
+            sem = asyncio.Semaphore(self.max_concurrency)
+            async with self._session() as session:
+                async def one(payload: dict) -> Any:
+                    async with sem:
+                        return await self._post_balanced(session, path, payload)
+
+                return list(await asyncio.gather(*(one(p) for p in payloads)))
+
+        return self._run_sync(run()) if payloads else []
+
     def prompt_logprobs(self, input_ids: list[int]) -> list[list[float]]:
         """Per server: logprobs of tokens 1..L-1 of ``input_ids`` (temperature 1)."""
         payload = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,

@@ -23,13 +23,16 @@ through ``multiprocessing.resource_sharer``, which only a child process of the s
 collect (it authenticates with the parent's key); an engine is not the trainer's child.
 
 CUDA tensors are pickled with SGLang's device-UUID reduction applied on the sender
-(``monkey_patch_torch_reductions``, sglang/srt/utils/patch_torch.py): the handle names its
-GPU by UUID, not by this process's index, so an engine that numbers its GPUs otherwise
-(``CUDA_VISIBLE_DEVICES``) maps the right one, and one that does not see it refuses it
-("Invalid device_uuid"). A tensor of the strict virtual-CUDA mode (megatron_klear/virtual_cuda.py: host memory
-that plays a GPU) travels as its host handle wrapped in :func:`rebuild_virtual_cuda_tensor`
-with its virtual GPU's UUID, which the embedded server checks the same way (real SGLang
-never receives one: the strict mode runs against the embedded server only).
+(``monkey_patch_torch_reductions``, sglang/srt/utils/patch_torch.py): torch's
+``rebuild_cuda_tensor`` (torch/multiprocessing/reductions.py, ``reduce_tensor``: 15 arguments,
+the device index the 7th) with the GPU's UUID in the device slot, so an engine that numbers
+its GPUs otherwise (``CUDA_VISIBLE_DEVICES``) maps the right one, and one that does not see it
+refuses it ("Invalid device_uuid"). A tensor of the strict virtual-CUDA mode (virtual_cuda.py:
+host memory that plays a GPU) is pickled the same way -- same function, same argument
+layout, its virtual GPU's UUID in the same slot -- with its host shared-memory name where
+CUDA puts its IPC handle. The embedded server's :class:`_Unpickler` maps the UUID to a local
+device as SGLang's ``_rebuild_cuda_tensor_modified`` / ``_device_from_maybe_uuid`` do, then
+opens the memory (a CUDA IPC handle with CUDA, the shared-memory name without).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from torch.multiprocessing import reductions
 from megatron_klear import platform, virtual_cuda
 
 __all__ = ["FlattenedTensorMetadata", "serialize_bucket", "deserialize", "bucket_tensors",
-           "shared_buffer", "release_buffer", "rebuild_virtual_cuda_tensor", "SGLANG_METADATA"]
+           "shared_buffer", "release_buffer", "SGLANG_METADATA"]
 
 # where SGLang 0.5.23 defines the metadata class (its SafeUnpickler allows this global)
 SGLANG_METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
@@ -69,26 +72,55 @@ class FlattenedTensorMetadata:
 
 
 _CUDA_DEVICE_ARG = 6  # rebuild_cuda_tensor's device index (SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX)
+_CUDA_HANDLE_ARG = 7  # its storage handle (a CUDA IPC handle; the strict mode's: see below)
+_NAME_SEP = b"\0"  # between the manager's and the storage's shared-memory names
 
 
 def _reduce_tensor(t: torch.Tensor):
     """torch's reduction of ``t`` with its GPU named by UUID (SGLang's
-    ``_reduce_tensor_modified``); a virtual-CUDA tensor as its host handle with its UUID."""
+    ``_reduce_tensor_modified``); a virtual-CUDA tensor as the same ``rebuild_cuda_tensor``
+    call, its storage handle the host shared-memory names (``_share_filename_cpu_``, as
+    torch's ``file_system`` reduction)."""
+    if virtual_cuda.is_virtual_cuda(t):
+        storage = t._typed_storage()
+        manager, name, nbytes = storage._untyped_storage._share_filename_cpu_()
+        storage._untyped_storage._shared_incref()  # the receiver's rebuild decrefs (torch's)
+        virtual_cuda.ipc_shared(t)
+        return reductions.rebuild_cuda_tensor, (
+            type(t), t.size(), t.stride(), t.storage_offset(), type(storage), t.dtype,
+            platform.gpu_uuid(t.device.index), manager + _NAME_SEP + name, nbytes, 0,
+            t.requires_grad, None, 0, None, False)
     fn, args = reductions.reduce_tensor(t)
     if fn is reductions.rebuild_cuda_tensor:
         args = (*args[:_CUDA_DEVICE_ARG], platform.gpu_uuid(args[_CUDA_DEVICE_ARG]),
                 *args[_CUDA_DEVICE_ARG + 1:])
-    elif virtual_cuda.is_virtual_cuda(t):
-        return rebuild_virtual_cuda_tensor, (platform.gpu_uuid(t.device.index), fn, args)
     return fn, args
 
 
-def rebuild_virtual_cuda_tensor(uuid: str, fn, args) -> torch.Tensor:
-    """The receiver's side of a virtual-CUDA handle: refused, as SGLang's
-    ``_device_from_maybe_uuid`` refuses it, when this process does not see the GPU ``uuid``
-    (its ``CUDA_VISIBLE_DEVICES``); else the host tensor."""
-    platform.gpu_index_of_uuid(uuid)
-    return fn(*args)
+def _rebuild_cuda_tensor(*args) -> torch.Tensor:
+    """The receiver's ``rebuild_cuda_tensor``, as SGLang's ``_rebuild_cuda_tensor_modified``
+    (sglang/srt/utils/patch_torch.py): a UUID in the device slot becomes this process's index
+    of that GPU, refused ("Invalid device_uuid") when this process does not see it
+    (``_device_from_maybe_uuid``); then torch's rebuild with CUDA, or, without CUDA (the
+    strict mode's virtual GPU), the host shared memory the handle names."""
+    device = args[_CUDA_DEVICE_ARG]
+    if isinstance(device, str):
+        device = platform.gpu_index_of_uuid(device)
+    elif not isinstance(device, int):
+        raise pickle.UnpicklingError(f"Unknown type: device_maybe_uuid={device!r}")
+    args = (*args[:_CUDA_DEVICE_ARG], device, *args[_CUDA_DEVICE_ARG + 1:])
+    if platform.cuda_available():
+        return reductions.rebuild_cuda_tensor(*args)
+    cls, size, stride, offset, _, dtype, _, handle, nbytes = args[:9]
+    if not isinstance(handle, bytes) or _NAME_SEP not in handle:
+        raise pickle.UnpicklingError("a CUDA tensor handle reached a process without CUDA: "
+                                     "only the strict virtual-CUDA mode's handles map here")
+    manager, name = handle.split(_NAME_SEP, 1)
+    storage = reductions.rebuild_storage_filename(torch.UntypedStorage, manager, name, nbytes)
+    t = torch._utils._rebuild_tensor(
+        torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True),
+        offset, size, stride)
+    return t if cls is torch.Tensor else t.as_subclass(cls)
 
 
 class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
@@ -177,9 +209,14 @@ class _Unpickler(pickle.Unpickler):
         ("torch", "Tensor"), ("torch", "device"), ("torch", "dtype"), ("copyreg", "__newobj__"),
         ("copyreg", "_reconstructor"), ("builtins", "object"), ("collections", "OrderedDict"),
         ("multiprocessing.resource_sharer", "DupFd"), ("torch._tensor", "_rebuild_from_type_v2"),
-        (__name__, "rebuild_virtual_cuda_tensor")}  # the strict mode's handles (module doc)
+        ("torch.storage", "TypedStorage")}
+    # CUDA handles: torch's name, and SGLang's patched one (a sender that imported SGLang)
+    CUDA_REBUILD = {("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+                    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")}
 
     def find_class(self, module: str, name: str):  # noqa: D102
+        if (module, name) in self.CUDA_REBUILD:
+            return _rebuild_cuda_tensor
         if (module, name) == SGLANG_METADATA:
             return FlattenedTensorMetadata
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

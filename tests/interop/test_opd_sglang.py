@@ -1,0 +1,59 @@
+"""On-policy distillation's served teacher against real SGLang 0.5.23 (issue 54): the
+prefill-only request scores the response tokens as transformers does, within the weight-sync
+probe's tolerance, and klear-rl's up-front teacher check accepts the server."""
+
+import json
+
+import pytest
+import torch
+
+from tests.interop.conftest import start_sglang
+from tests.interop.test_sglang_interop import PROBE_TOL
+from tests.rollout_helpers import load_reference, reference_logprobs
+
+
+@pytest.fixture(scope="module")
+def teacher(sglang_model, tmp_path_factory):
+    """One SGLang server over the tiny model, playing the teacher."""
+    with start_sglang(sglang_model, 1, tmp_path_factory.mktemp("opd_logs")) as s:
+        yield s.urls[0]
+
+
+def test_sglang_teacher_logprobs_match_transformers(teacher, sglang_model):
+    """Each response token's log-prob from SGLang's input_token_logprobs (logprob_start_len
+    = len(prompt) - 1, the first entry None) equals transformers' fp32 one; a second pass
+    (served from the prefix cache) gives the same numbers."""
+    from megatron_klear.rollout.orchestration.client import RolloutClient
+    from megatron_klear.rollout.orchestration.teacher import TeacherClient, prefill_request
+
+    model, tok = load_reference(sglang_model)
+    g = torch.Generator().manual_seed(0)
+    prompts = [tok.encode(f"What is {i}+3?") for i in range(3)]
+    pairs = [(p, torch.randint(20, 90, (5 + i,), generator=g).tolist())
+             for i, p in enumerate(prompts)]
+    (reply,) = RolloutClient([teacher], request_timeout_s=120).post_balanced(
+        "/generate", [prefill_request(*pairs[0])])
+    entries = reply["meta_info"]["input_token_logprobs"]
+    assert entries[0][0] is None and [e[1] for e in entries] == [pairs[0][0][-1], *pairs[0][1]]
+    client = TeacherClient([teacher], request_timeout_s=120)
+    first = client.logprobs(pairs)
+    for (p, r), lps in zip(pairs, first):
+        want = reference_logprobs(model, p + r)[-len(r):].float()
+        torch.testing.assert_close(torch.tensor(lps), want, atol=PROBE_TOL, rtol=0)
+    again = client.logprobs(pairs)
+    assert [x for lps in again for x in lps] == pytest.approx([x for lps in first for x in lps],
+                                                              abs=PROBE_TOL)
+
+
+def test_dry_run_accepts_the_sglang_teacher(teacher, sglang_model, tmp_path, capsys,
+                                            monkeypatch):
+    """--use-opd's up-front check reads SGLang's /model_info and finds the student's
+    tokenizer there: the dry run plans (exit 0)."""
+    from megatron_klear.train import rl
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a", "answer": "b"}) + "\n")
+    rl.main(["--hf-checkpoint", str(sglang_model), "--prompt-data", str(prompts),
+             "--use-opd", "--opd-teacher-urls", teacher, "--dry-run"])
+    assert '"dry_run"' in capsys.readouterr().out
