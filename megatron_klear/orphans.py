@@ -60,7 +60,7 @@ def forks_die_with_parent() -> Iterator[None]:
 
     megatron-core's checkpoint writer forks worker processes (``filesystem_async``, fork
     context) that block forever on their queues when the trainer is SIGKILLed mid-save (one
-    outlived a killed trainer by over a minute in tests/test_rollout_faults.py). Enter the
+    outlived a killed trainer by over a minute in tests/multiprocess/test_rollout_faults.py). Enter the
     block in a thread that lives as long as the process (the signal fires when the forking
     thread exits). ``subprocess`` children without ``preexec_fn`` run no at-fork hook and are
     not affected."""

@@ -116,7 +116,7 @@ def batch_p2p_comm() -> bool:
     on gloo. Measured: with interleaved stages at PP2 (the previous and the next stage are
     the same rank), gloo's ``batch_isend_irecv`` delivered one micro-batch's tensor in
     place of another's (wrong losses from the third micro-batch on); unbatched ops are
-    exact (tests/test_pipeline_layouts.py)."""
+    exact (tests/multiprocess/test_pipeline_layouts.py)."""
     return backend() == "nccl"
 
 

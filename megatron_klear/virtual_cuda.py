@@ -13,7 +13,7 @@ scalars and CPU index tensors), or a collective on a CPU tensor (NCCL refuses th
 (code that asks torch instead of platform.py takes its GPU branch too). With platform.py's
 emulated pinned host memory (``pin_memory()``, ``pin_memory=True``, ``is_pinned()``), megatron's
 CPU-offloading optimizer really offloads: it keeps pinned CPU copies of every parameter that
-reports ``is_cuda``. See tests/test_placement.py and tests/virtual_cuda.py.
+reports ``is_cuda``. See tests/multiprocess/test_placement.py and tests/virtual_cuda.py.
 
 The virtual device has an index and a memory (issue 38): tagged tensors report
 ``cuda:LOCAL_RANK``; :func:`megatron_klear.platform.gpu_uuid` names the GPU behind an index as CUDA does, through

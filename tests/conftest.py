@@ -1,7 +1,7 @@
 """The suite's tiers: markers set at collection, so ``pytest -m "not slow"`` runs in minutes.
 
-- ``examples``: tests/test_examples*.py (the example scripts and README commands, run as
-  written: every test there starts bash or a trainer);
+- ``examples``: tests/examples/ (the example scripts and README commands, run as written: every
+  test there starts bash or a trainer);
 - ``interop``: tests/interop/ (real SGLang servers from .venv-sglang);
 - ``multiprocess``: a test that starts processes -- gloo ranks (tests/dist.py), a trainer,
   converter or eval CLI, an embedded server -- found from the code it runs: the test function,
@@ -10,17 +10,26 @@
   processes some other way takes an explicit ``@pytest.mark.multiprocess``;
 - ``slow``: any of the three.
 
+The folders follow the tiers (:data:`TIER_FOLDERS`): tests/unit/ holds files none of whose tests
+is slow, tests/multiprocess/ the files where processes take most of the time (a test there
+that starts none is still unmarked, so ``-m "not slow"`` runs it); tests/unit/test_test_layout.py
+checks that the folders and the markers agree. Shared helpers stay at tests/ top level.
+
 Each process start costs ~5 s of imports on 2 cores, so these hold nearly all of the time.
 """
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from types import CodeType, FunctionType
 
 import pytest
 
 SLOW_TIERS = ("multiprocess", "interop", "examples")
+TESTS = Path(__file__).resolve().parent
+# the folders of test files, one per tier; interop/ and examples/ mark every test under them
+TIER_FOLDERS = ("unit", "multiprocess", "interop", "examples")
 # names whose use in a test's code means it starts processes
 LAUNCHERS = frozenset({"run_distributed", "subprocess", "Popen", "launch_embedded_servers",
                        "launch_sglang_servers", "start_sglang", "launch_nodes",
@@ -65,13 +74,20 @@ def _uses_processes(item: pytest.Item) -> bool:
     return False
 
 
+def tier_folder(path: Path) -> str | None:
+    """The tier folder under tests/ that holds ``path`` (None: top level or outside tests/)."""
+    try:
+        first = path.resolve().relative_to(TESTS).parts[0]
+    except (ValueError, IndexError):
+        return None
+    return first if first in TIER_FOLDERS else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        path = item.path
-        if "interop" in path.parts:
-            item.add_marker(pytest.mark.interop)
-        if path.name.startswith("test_examples"):
-            item.add_marker(pytest.mark.examples)
+        folder = tier_folder(item.path)
+        if folder in ("interop", "examples"):
+            item.add_marker(getattr(pytest.mark, folder))
         if not item.get_closest_marker("multiprocess") and _uses_processes(item):
             item.add_marker(pytest.mark.multiprocess)
         if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):

@@ -1,4 +1,4 @@
-"""Peak live tensor bytes of a piece of CPU work, from the allocator (see tests/test_memory.py
+"""Peak live tensor bytes of a piece of CPU work, from the allocator (see tests/multiprocess/test_memory.py
 for why this and not RSS: RSS also sees the allocator's caching, the Python heap and the
 libraries, and a process's earlier peak hides a smaller later one)."""
 

@@ -13,10 +13,11 @@ ERC) with its expected loss and gradient written out with math.exp / math.log.
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import torch
 
-from megatron_klear.ops import vocab_parallel_policy_loss
+from megatron_klear.ops import PolicyLossSpec, vocab_parallel_policy_loss
 from tests.cuda_emu import backend_for
 
 # Backends checked against the torch reference on this machine (cuda joins on a GPU machine).
@@ -51,15 +52,21 @@ def make_inputs(tokens: int, vocab: int, *, vocab_size: int | None = None, seed:
     return inp
 
 
+SPEC_FIELDS = {f.name for f in fields(PolicyLossSpec)}
+
+
 def run_op(inp: dict, logits: torch.Tensor, *, backend: str, device: str = "cpu", **kw) -> dict:
-    """Run the op on ``logits`` (a shard or the full row) and collect outputs + gradient."""
+    """Run the op on ``logits`` (a shard or the full row) and collect outputs + gradient;
+    ``kw`` mixes the loss's hyper-parameters (the spec's fields) and the op's other arguments,
+    as the parametrized settings list them."""
     x = logits.detach().to(device).clone().requires_grad_(True)
     dev = {k: v.to(device) for k, v in inp.items() if k != "logits"}
-    if kw.get("entropy_ratio_clip") is not None:
+    spec = PolicyLossSpec(**{k: kw.pop(k) for k in SPEC_FIELDS & kw.keys()})
+    if spec.band is not None:
         kw["old_entropy"] = dev["old_ent"]
     with backend_for(backend) as used:
         out = vocab_parallel_policy_loss(x, dev["targets"], dev["old"], dev["adv"], dev["mask"],
-                                         backend=used, compute_entropy=True, **kw)
+                                         spec, backend=used, compute_entropy=True, **kw)
         total = out.loss + (dev["w_logp"] * out.logprobs).sum() + \
             (dev["w_ent"] * out.entropy).sum()
         total.backward()
@@ -156,11 +163,11 @@ def hand_table(loss_type: str, beta1: float = 1.0, beta2: float = 1.0,
             dlogp = 0.0
         exp_loss += value / n
         exp_grad.append([dlogp / n * ((j == t) - q) for j, q in enumerate(p)])
-    kw = dict(loss_type=loss_type, beta1=beta1, beta2=beta2, entropy_ratio_clip=erc,
-              dual_clip=None if loss_type == "cispo" else DUAL_C, eps_low=EPS_L, eps_high=EPS_H)
+    spec = PolicyLossSpec(loss_type, EPS_L, EPS_H, beta1, beta2,
+                          None if loss_type == "cispo" else DUAL_C, entropy_ratio_clip=erc)
     return dict(logits=torch.tensor(HAND_ROWS), targets=torch.tensor(HAND_TARGETS),
                 old=torch.tensor(old), adv=torch.tensor([a for _, a, _ in HAND_CASES]),
-                old_ent=torch.tensor(old_ent), kw=kw, loss=exp_loss,
+                old_ent=torch.tensor(old_ent), spec=spec, loss=exp_loss,
                 grad=torch.tensor(exp_grad), ratio=torch.tensor([r for r, _, _ in HAND_CASES]))
 
 
@@ -173,12 +180,12 @@ def run_hand_table(table: dict, logits: torch.Tensor, *, backend: str, device: s
                    tp_group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, d loss / d logits, ratio) of the op on ``logits`` (the table's or a TP shard)."""
     x = logits.detach().to(device).clone().requires_grad_(True)
-    kw = dict(table["kw"])
-    if kw["entropy_ratio_clip"] is not None:
-        kw["old_entropy"] = table["old_ent"].to(device)
+    spec = table["spec"]
+    old_ent = table["old_ent"].to(device) if spec.band is not None else None
     with backend_for(backend) as used:
         out = vocab_parallel_policy_loss(
             x, table["targets"].to(device), table["old"].to(device), table["adv"].to(device),
-            torch.ones(len(HAND_CASES), device=device), backend=used, tp_group=tp_group, **kw)
+            torch.ones(len(HAND_CASES), device=device), spec, old_entropy=old_ent,
+            backend=used, tp_group=tp_group)
         out.loss.backward()
     return out.loss.detach().cpu(), x.grad.cpu(), out.ratio.cpu()

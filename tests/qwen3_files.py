@@ -48,7 +48,8 @@ def qwen3_chat_template() -> str:
 
 
 def qwen3_chat_template_file(folder: Path) -> Path:
-    """Qwen3's own chat template written to ``folder`` (for a ``--chat-template`` flag)."""
+    """Qwen3's chat template written to ``folder`` for a CLI's ``--chat-template`` (the tool
+    runs need a template that renders tools); skips as :func:`qwen3_tokenizer`."""
     path = folder / "qwen3_chat_template.jinja"
     path.write_text(qwen3_chat_template())
     return path

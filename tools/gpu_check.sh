@@ -84,7 +84,7 @@ fi
 
 step "checks (tests/gpu/gpu_check.py)"
 # TOTAL_S and CLOSE_S of tests/gpu/gpu_check.py (its step budgets fit what is left when the
-# setup took at most SETUP_ALLOWANCE_S; tests/test_gpu_path.py checks the numbers agree)
+# setup took at most SETUP_ALLOWANCE_S; tests/multiprocess/test_gpu_path.py checks the numbers agree)
 budget=$((480 - (SECONDS - start) - 15))
 echo "setup took $((SECONDS - start)) s (allowed 75): $budget s for the checks"
 KLEAR_GPU_CHECK_BUDGET_S="$budget" "$python" tests/gpu/gpu_check.py

@@ -17,7 +17,7 @@
 //
 // The same source is compiled as host C++ by the emulated-CUDA test tier (KLEAR_CUDA_EMULATION,
 // csrc/emu/cuda_emu.h; tests/cuda_emu.py). KLEAR_MUTATION=k builds plant bug k there (mutation
-// test: tests/test_cuda_emu.py); a real build with it set fails to compile.
+// test: tests/multiprocess/test_cuda_emu.py); a real build with it set fails to compile.
 #ifdef KLEAR_CUDA_EMULATION
 #include "emu/cuda_emu.h"
 #else

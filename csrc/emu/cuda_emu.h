@@ -1,6 +1,6 @@
 // Host C++ stand-ins for the CUDA features the kernels of csrc/cuda/*.cu use, so that the SAME
 // .cu source compiles with g++ (`-x c++ -DKLEAR_CUDA_EMULATION`) and runs on a CPU (the
-// emulated-CUDA test tier: tests/cuda_emu.py builds it, tests/test_cuda_emu.py runs it).
+// emulated-CUDA test tier: tests/cuda_emu.py builds it, tests/multiprocess/test_cuda_emu.py runs it).
 //
 // Launch model: the blocks of a grid run one after another on each of a few OS threads; the
 // threads of a block are cooperative fibers on one OS thread (own stack each, switched by a few

@@ -3,7 +3,7 @@
 # servers on separate nodes (examples/klear_8b/launch_sglang.sh with MODEL=<30B-A3B>
 # SERVER_TP=4; with --use-routing-replay also ROUTING_REPLAY=1, which starts them with
 # --enable-return-routed-experts). Not run on GPUs here (no GPU lent); --dry-run validates
-# the layout, and tests/test_examples_multinode.py runs it on CPU with a tiny Qwen3-MoE,
+# the layout, and tests/examples/test_examples_multinode.py runs it on CPU with a tiny Qwen3-MoE,
 # EP2 across 2 "nodes".
 #   ROLLOUT_URLS="http://r0:30000 ..." bash examples/qwen3_30b_a3b/run_rl.sh
 #     (add --dry-run to validate only)

@@ -24,7 +24,7 @@ from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrect
     rollout_correction_weights
 from megatron_klear.config import ConfigError, Section, opt
 from megatron_klear.data.microbatches import is_positive
-from megatron_klear.ops import vocab_parallel_logprobs, vocab_parallel_policy_loss
+from megatron_klear.ops import PolicyLossSpec, vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
 from megatron_klear.ops.loss_math import LOSS_AGGREGATIONS, AggregationTotals, MicroCounts, \
     aggregate_rl_loss, erc_band
@@ -109,6 +109,12 @@ class PolicyLossFlags(Section):
         if self.ref_load and not Path(self.ref_load).is_dir():
             raise ConfigError(f"--ref-load {self.ref_load}: no such directory (a checkpoint "
                               "dir or a Hugging Face dir)")
+
+    def spec(self) -> PolicyLossSpec:
+        """The policy loss's hyper-parameters as the fused op takes them (built once a run)."""
+        return PolicyLossSpec(self.loss_type, self.eps_clip_low, self.eps_clip_high,
+                              self.gppo_beta1, self.gppo_beta2, self.dual_clip,
+                              self.entropy_ratio_clip, self.erc_low, self.erc_high)
 
     def correction(self) -> RolloutCorrection | None:
         """The rollout correction in effect (``--tis-cap`` C = tis / token / cap C), or None."""
@@ -256,7 +262,8 @@ def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_po
     tp_group = parallel_state.get_tensor_model_parallel_group()
     backend = loss_backend(backend)
     correction = loss.correction()
-    erc = erc_band(loss.entropy_ratio_clip, loss.erc_low, loss.erc_high) is not None
+    spec = loss.spec()
+    erc = spec.band is not None
     if totals is None:
         if loss.loss_aggregation != "token-mean":
             raise ValueError(f"--loss-aggregation {loss.loss_aggregation} needs the mini-batch's "
@@ -272,15 +279,10 @@ def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_po
         tokens = mask.sum()
         adv, metrics = token_advantages(b, correction, opd_kl_coef)
         out = vocab_parallel_policy_loss(
-            logits, b["labels"], old, adv, mask, loss_type=loss.loss_type,
-            eps_low=loss.eps_clip_low, eps_high=loss.eps_clip_high, beta1=loss.gppo_beta1,
-            beta2=loss.gppo_beta2, dual_clip=loss.dual_clip,
-            entropy_ratio_clip=loss.entropy_ratio_clip, old_entropy=b["entropy"] if erc else None,
-            temperature=temperature, compute_entropy=False, tp_group=tp_group,
-            vocab_size=vocab_size, backend=backend,
-            inplace_backward=True,  # logits are not read after backward
-            erc_low=loss.erc_low, erc_high=loss.erc_high, reduction="none",
-            sequence_ids=sequence_ids(b))
+            logits, b["labels"], old, adv, mask, spec, old_entropy=b["entropy"] if erc else None,
+            sequence_ids=sequence_ids(b), temperature=temperature, reduction="none",
+            tp_group=tp_group, backend=backend, vocab_size=vocab_size,
+            inplace_backward=True)  # logits are not read after backward
         seq_len = b["seq_tokens"] if "seq_tokens" in b else seq_tokens(b)
         total, pg, sft = aggregate_rl_loss(
             loss.loss_aggregation, out.loss, -out.logprobs, mask, b["positive"], loss.sft_alpha,

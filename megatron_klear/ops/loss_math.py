@@ -33,6 +33,7 @@ micro-batch and data-parallel gradients when using an explicit normalizer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -42,7 +43,8 @@ __all__ = ["POLICY_LOSSES", "register_policy_loss", "per_token_policy_loss", "po
            "policy_metrics", "clip_cases", "check_loss_args", "entropy_ratio", "entropy_ratio_mask",
            "erc_metrics", "sft_loss", "aggregate", "masked_mean", "global_token_count",
            "erc_band", "LOSS_AGGREGATIONS", "AggregationTotals", "verl_masked_mean",
-           "aggregate_rl_loss", "MicroCounts", "sequence_mean", "SEQUENCE_LOSSES"]
+           "aggregate_rl_loss", "MicroCounts", "sequence_mean", "SEQUENCE_LOSSES",
+           "PolicyLossSpec"]
 
 PerTokenLoss = Callable[..., Tensor]
 POLICY_LOSSES: dict[str, PerTokenLoss] = {}
@@ -85,6 +87,33 @@ def check_loss_args(name: str, dual_clip: float | None,
                          "dual_clip=None")
     if dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (got {dual_clip}); pass None to disable it")
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """The per-token policy loss's hyper-parameters in one record: the loss, its clip bounds
+    and GPPO gradient weights, the dual clip and ERC's band (``entropy_ratio_clip`` = delta, or
+    ``erc_low``/``erc_high``). Validated once when built, so a caller (the trainer's policy-loss
+    section, a test, a benchmark) builds it once and hands it to every micro-batch's loss."""
+
+    loss_type: str = "gppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    beta1: float = 1.0
+    beta2: float = 1.0
+    dual_clip: float | None = None
+    entropy_ratio_clip: float | None = None
+    erc_low: float | None = None
+    erc_high: float | None = None
+
+    def __post_init__(self) -> None:
+        check_loss_args(self.loss_type, self.dual_clip, self.entropy_ratio_clip, self.erc_low,
+                        self.erc_high)
+
+    @property
+    def band(self) -> tuple[float, float] | None:
+        """ERC's band of the entropy ratio, or None when ERC is off (:func:`erc_band`)."""
+        return erc_band(self.entropy_ratio_clip, self.erc_low, self.erc_high)
 
 
 def clip_cases(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> ClipCases:

@@ -3,7 +3,7 @@
 torch's CPU ``rms_norm`` is eight ops forward and its autograd about twenty backward; the
 extension's ``klear::rms_norm`` / ``klear::rms_norm_backward`` (csrc/cpu/rms_norm_cpu.h) do each
 in one pass. fp32 CPU tensors take them; anything else (CUDA, bf16, no extension) runs torch's
-``F.rms_norm``, the reference the kernels are tested against (tests/test_rms_norm_op.py).
+``F.rms_norm``, the reference the kernels are tested against (tests/multiprocess/test_rms_norm_op.py).
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_klear.ops.loss_math import (ERC_MAX_LOG_RATIO, SEQUENCE_LOSSES, aggregate,
-                                          check_loss_args, erc_band, erc_metrics,
-                                          per_token_policy_loss, policy_metrics)
+from megatron_klear.ops.loss_math import (ERC_MAX_LOG_RATIO, SEQUENCE_LOSSES, PolicyLossSpec,
+                                          aggregate, erc_metrics, per_token_policy_loss,
+                                          policy_metrics)
 
 __all__ = ["PolicyLossOutput", "vocab_parallel_policy_loss", "vocab_parallel_logprobs",
            "available_backends", "resolve_backend"]
@@ -297,30 +297,28 @@ def _per_token_advantages(advantages: Tensor, lead: torch.Size) -> Tensor:
 
 def vocab_parallel_policy_loss(
         logits: Tensor, target_ids: Tensor, old_logprobs: Tensor, advantages: Tensor,
-        loss_mask: Tensor, *, loss_type: str = "gppo", eps_low: float = 0.2,
-        eps_high: float = 0.28, beta1: float = 1.0, beta2: float = 1.0,
-        dual_clip: float | None = None, entropy_ratio_clip: float | None = None,
-        old_entropy: Tensor | None = None, temperature: float = 1.0,
-        normalizer: float | Tensor | None = None, compute_entropy: bool = False, tp_group=None,
+        loss_mask: Tensor, spec: PolicyLossSpec = PolicyLossSpec(), *,
+        old_entropy: Tensor | None = None, sequence_ids: Tensor | None = None,
+        temperature: float = 1.0, normalizer: float | Tensor | None = None,
+        compute_entropy: bool = False, reduction: str = "mean", tp_group=None,
         backend: str = "auto", vocab_size: int | None = None, inplace_backward: bool = False,
-        erc_low: float | None = None, erc_high: float | None = None, reduction: str = "mean",
-        sequence_ids: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Token-level policy loss straight from vocab-sharded logits [T, V/TP] or [B, S, V/TP].
 
-    ``loss`` and ``logprobs`` are differentiable w.r.t. the logits shard (add e.g.
-    ``alpha * sft_loss(out.logprobs, positive_mask)`` to the loss). ``inplace_backward=True``
-    lets the fused backends write the gradient into the logits buffer (the logits must not be
-    needed after backward). ERC (``entropy_ratio_clip`` = delta, or the band ``erc_low`` /
-    ``erc_high``) needs ``old_entropy``, the behaviour policy's per-token entropy at the same
-    temperature. ``reduction="none"`` returns the per-token losses (shaped like the targets,
-    unmasked) for the caller to aggregate (:func:`~megatron_klear.ops.loss_math.aggregate_rl_loss`).
+    ``spec``: the loss and its hyper-parameters (:class:`~megatron_klear.ops.loss_math.
+    PolicyLossSpec`, default GPPO 0.2/0.28). ``loss`` and ``logprobs`` are differentiable
+    w.r.t. the logits shard (add e.g. ``alpha * sft_loss(out.logprobs, positive_mask)`` to the
+    loss). ``inplace_backward=True`` lets the fused backends write the gradient into the logits
+    buffer (the logits must not be needed after backward). ERC (the spec's band) needs
+    ``old_entropy``, the behaviour policy's per-token entropy at the same temperature; GSPO
+    needs ``sequence_ids``. ``reduction="none"`` returns the per-token losses (shaped like the
+    targets, unmasked) for the caller to aggregate
+    (:func:`~megatron_klear.ops.loss_math.aggregate_rl_loss`).
     See :func:`megatron_klear.ops.loss_math.policy_loss` for the losses.
     """
-    check_loss_args(loss_type, dual_clip, entropy_ratio_clip, erc_low, erc_high)
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none' (got {reduction!r})")
-    band = erc_band(entropy_ratio_clip, erc_low, erc_high)
+    band = spec.band
     erc = band is not None
     if erc and old_entropy is None:
         raise ValueError("entropy_ratio_clip needs old_entropy (the behaviour policy's "
@@ -336,8 +334,10 @@ def vocab_parallel_policy_loss(
     mask = _per_token("loss_mask", loss_mask, lead)
     old_ent = _per_token("old_entropy", old_entropy, lead).float() if erc else None
     ent = entropy.detach() if erc else None
+    loss_type = spec.loss_type
     if used != "torch" and loss_type in _KERNEL_LOSS_TYPES:
-        hyper = (eps_low, eps_high, beta1, beta2, -1.0 if dual_clip is None else dual_clip,
+        hyper = (spec.eps_low, spec.eps_high, spec.beta1, spec.beta2,
+                 -1.0 if spec.dual_clip is None else spec.dual_clip,
                  *(band if erc else (0.0, -1.0)))
         per_token, ratio = _FusedTokenLoss.apply(logp, old, adv, (ent, old_ent) if erc else None,
                                                  loss_type, hyper)
@@ -349,16 +349,18 @@ def vocab_parallel_policy_loss(
                                  "sequence, shaped like the targets)")
             per_seq = {"sequence_ids": _per_token("sequence_ids", sequence_ids, lead),
                        "loss_mask": mask}
-        per_token = per_token_policy_loss(loss_type, logp, old, adv, eps_low=eps_low,
-                                          eps_high=eps_high, beta1=beta1, beta2=beta2,
-                                          dual_clip=dual_clip, entropy=ent, old_entropy=old_ent,
-                                          entropy_ratio_clip=entropy_ratio_clip,
-                                          erc_low=erc_low, erc_high=erc_high, **per_seq)
+        per_token = per_token_policy_loss(loss_type, logp, old, adv, eps_low=spec.eps_low,
+                                          eps_high=spec.eps_high, beta1=spec.beta1,
+                                          beta2=spec.beta2, dual_clip=spec.dual_clip,
+                                          entropy=ent, old_entropy=old_ent,
+                                          entropy_ratio_clip=spec.entropy_ratio_clip,
+                                          erc_low=spec.erc_low, erc_high=spec.erc_high,
+                                          **per_seq)
         log_ratio = logp - old
         if erc:   # the clamp of ERC's code (ops/loss_math.py ERC_MAX_LOG_RATIO)
             log_ratio = log_ratio.clamp(-ERC_MAX_LOG_RATIO, ERC_MAX_LOG_RATIO)
         ratio = torch.exp(log_ratio).detach()
-    metrics = policy_metrics(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)
+    metrics = policy_metrics(logp, old, adv, mask, eps_low=spec.eps_low, eps_high=spec.eps_high)
     if erc:
         metrics.update(erc_metrics(ent, old_ent, None, mask, low=band[0], high=band[1]))
     entropy = entropy if compute_entropy else None

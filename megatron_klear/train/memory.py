@@ -15,7 +15,7 @@ Two layer implementations differ in what they save:
 * ``local`` (megatron-core's local spec; what runs on CPU): torch RMSNorm saves its input,
   the normalised input and (through the next linear) its output; unfused attention saves
   q, the GQA-expanded k and v, and the ``a x s`` softmax scores per token; SwiGLU saves the
-  fc1 output, silu of the gate half and the product. Measured on CPU (tests/test_memory.py).
+  fc1 output, silu of the gate half and the product. Measured on CPU (tests/multiprocess/test_memory.py).
 * ``transformer_engine`` (GPU): LayerNormLinear saves input and normalised input; flash
   attention saves q, k, v and its output (no ``s x s`` scores); TE's SwiGLU saves its
   input. Derived from what those kernels save; not measured here (no GPU).

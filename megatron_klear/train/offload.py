@@ -12,7 +12,7 @@ group's host arena and then resized to zero bytes, which frees the device memory
 tensor that views it -- parameters, DDP buckets, optimizer shards -- stays a valid object;
 :meth:`TrainerOffload.onload` resizes it back and copies the bytes in. The bytes come back
 as they left, so training with offload is bitwise equal to training without it
-(tests/test_offload.py). This is the technique of slime's and verl's colocated trainers
+(tests/multiprocess/test_offload.py). This is the technique of slime's and verl's colocated trainers
 (``storage().resize_(0)``); not run on a GPU, where the freed blocks also go back to the
 driver (``torch.cuda.empty_cache``) for the engines to allocate.
 

@@ -5,7 +5,7 @@ writes its gradient into the logits buffer (in-place backward), instead of megat
 ``vocab_parallel_cross_entropy`` over fp32 copies of the logits: about 10 GB less on the last
 pipeline stage of an 8B model at 32K tokens. Padded vocabulary slots (megatron pads to a
 multiple of 128 x TP) count as -inf, and the result equals the cross entropy of the unpadded
-vocabulary (tests/test_memory_features.py compares it with megatron's).
+vocabulary (tests/multiprocess/test_memory_features.py compares it with megatron's).
 """
 
 from __future__ import annotations

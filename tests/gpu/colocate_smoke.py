@@ -6,14 +6,14 @@
    with :class:`TrainerOffload` offloading between them; the GPU memory allocated while
    offloaded drops by at least the bytes it moved (pinned host buffers), and the losses and
    the final parameters equal a run without offload bitwise (the CPU twin:
-   tests/test_offload.py).
+   tests/multiprocess/test_offload.py).
 2. Where SGLang with torch_memory_saver is installed: one SGLang server on the same GPU
    (``--enable-memory-saver``, ``--mem-fraction-static 0.3``, ``--dtype bfloat16``),
    released (KV cache and weights): the GPU's free memory rises by at least the weights'
    bytes; resumed, so that ``klear-rl --colocate`` starts from the engine's launch state and
    releases it itself (never twice: issue 38, defect 1); then two colocated steps: CUDA IPC
    tensor handles, the probe after every sync below a bf16 bound (the CPU twins:
-   tests/test_colocate.py and tests/interop/). Prints ``COLOCATE SMOKE OK``.
+   tests/multiprocess/test_colocate.py and tests/interop/). Prints ``COLOCATE SMOKE OK``.
 
 The engine serves in bf16, as the trainer trains (issue 38, defect 6): the tiny model's
 config says float32, which SGLang's ``--dtype auto`` serves in float16
@@ -108,7 +108,7 @@ def colocated_run(urls: list[str], model: Path, tmp: Path, bound: float) -> dict
     """Release the engines' memory (KV cache and weights) and read the GPU's free memory
     rise, resume them (back as launched), then ``klear-rl --colocate --rollout-engine-memory
     launched`` for two steps in bf16 -- the one hand-over of run_rl_colocate.sh and
-    tests/test_colocate.py: the trainer releases them before its model's build (issue 51):
+    tests/multiprocess/test_colocate.py: the trainer releases them before its model's build (issue 51):
     {"ok", "numbers", "history"}."""
     from megatron_klear.train.main import load_config
     from megatron_klear.rollout.orchestration.client import RolloutClient

@@ -9,7 +9,7 @@ what the stock image has plus the wheels of tools/gpu_wheels.sh: megatron-core's
 (no Transformer Engine), the embedded rollout server on the GPU (no SGLang).
 
 Checks:
-  parity      the CUDA loss kernels against the torch reference (tests/test_policy_loss_op.py's
+  parity      the CUDA loss kernels against the torch reference (tests/unit/test_policy_loss_op.py's
               ``cuda`` cases: fp32/bf16/fp16, every loss table, in-place backward)
   bandwidth   fused stats + in-place backward at T=32768, V/TP=151,936 bf16 against a
               device-to-device copy measured in the same run (goal: >= 85% of the copy's
@@ -45,12 +45,12 @@ sys.path.insert(0, str(ROOT))  # `tests` and the checkout's megatron_klear, run 
 
 RESULT = "GPU_CHECK_RESULT "  # the line a step prints last: its JSON result
 BANDWIDTH_GOAL = 0.85         # fused fwd+bwd GB/s over the measured copy's
-PLANNER_TOLERANCE = 0.25      # as tests/test_memory.py on CPU
+PLANNER_TOLERANCE = 0.25      # as tests/multiprocess/test_memory.py on CPU
 # The time budget (issue 51): tools/gpu_check.sh has TOTAL_S for everything; the setup
 # (machine, wheels, the extension's build: about a minute at 16 cores, docs/gpu_path.md) is
 # allowed SETUP_ALLOWANCE_S and the closing lines CLOSE_S; the checks share the rest, each
 # within its own budget, in run order (the colocated hand-over, never run on a GPU, third).
-# The budgets add up to at most CHECKS_BUDGET_S (tests/test_gpu_path.py), so every check has
+# The budgets add up to at most CHECKS_BUDGET_S (tests/multiprocess/test_gpu_path.py), so every check has
 # its turn; a build slower than allowed cuts the last ones, each named in the table.
 TOTAL_S, SETUP_ALLOWANCE_S, CLOSE_S = 480, 75, 15
 CHECKS_BUDGET_S = TOTAL_S - SETUP_ALLOWANCE_S - CLOSE_S
@@ -64,7 +64,7 @@ def step_parity() -> dict:
     if not _C.with_cuda:
         return {"ok": False, "numbers": "megatron_klear._C was built without CUDA"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_policy_loss_op.py", "-k", "cuda-cuda"], cwd=ROOT,
+                          "tests/unit/test_policy_loss_op.py", "-k", "cuda-cuda"], cwd=ROOT,
                          capture_output=True, text=True)
     print(run.stdout[-4000:], run.stderr[-2000:], flush=True)
     summary = next((ln for ln in reversed(run.stdout.splitlines()) if " in " in ln), "")

@@ -9,7 +9,7 @@
 #   4. tests/gpu/kernel_bandwidth.py: rows beyond 2^31 / 2^32 elements vs fp64 at T=32768,
 #      V/TP=151,936 bf16, then achieved bandwidth per kernel vs the HBM peak and a measured copy;
 #      fails if fwd+bwd is below 85% of the HBM peak on H100/H200 (threshold in that file).
-#   5. issue 30's GPU path on one GPU: tests/test_gpu_path.py (the strict virtual-CUDA launch runs
+#   5. issue 30's GPU path on one GPU: tests/multiprocess/test_gpu_path.py (the strict virtual-CUDA launch runs
 #      on the real device here: weight-sync probe and compare_logits on device ids, weight sync
 #      from the GPU trainer to the embedded CPU server over gloo, packed and shared-prompt RL
 #      steps, the CUDA loss kernels' dispatch, --optimizer-cpu-offload keeping loaded weights,
@@ -46,13 +46,13 @@ python3 -c 'from megatron_klear import _C; import sys;
 sys.exit(0 if _C.with_cuda else "run_gpu_checks: _C was built without CUDA (nvcc/CUDA_HOME?)")'
 
 step "parity tests (cpu, cuda-emu and cuda backends vs the torch reference)"
-python3 -m pytest -q --timeout 900 tests/test_policy_loss_op.py tests/test_cuda_emu.py
+python3 -m pytest -q --timeout 900 tests/unit/test_policy_loss_op.py tests/multiprocess/test_cuda_emu.py
 
 step "kernel bandwidth and rows beyond 2^31 elements (T=32768, V/TP=151936 bf16)"
 python3 tests/gpu/kernel_bandwidth.py --tokens 32768 --vocab 151936 --repeats 10
 
-step "issue 30: the GPU path's calls on one GPU (tests/test_gpu_path.py)"
-python3 -m pytest -q --timeout 900 tests/test_gpu_path.py
+step "issue 30: the GPU path's calls on one GPU (tests/multiprocess/test_gpu_path.py)"
+python3 -m pytest -q --timeout 900 tests/multiprocess/test_gpu_path.py
 
 step "2-GPU smoke test of the GPU path: TE spec, TP2+SP, recompute, distributed optimizer"
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then

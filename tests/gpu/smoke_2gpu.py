@@ -8,14 +8,14 @@ optimizer with overlapped grad reduce and param gather, bf16, the CUDA loss kern
 (``--loss-backend auto`` must resolve to ``cuda``). One SFT step, the RL old-log-prob pass and
 one RL step, then a checkpoint save and an HF export. Checks that parameters, grads, optimizer
 state and losses live on the GPU and that the steps are finite; prints ``SMOKE OK``. The CPU
-twin of these checks is tests/test_placement.py (strict virtual-CUDA mode).
+twin of these checks is tests/multiprocess/test_placement.py (strict virtual-CUDA mode).
 
 Issue 30 (not run on a GPU yet): a padded (--no-pack-sequences) RL step whose longest sample
 gives 11 positions, which SP can split over TP 2 only once rounded (defect 7); and Transformer
 Engine checkpoints (defect 3): a tiny HF model converted by convert_hf_to_megatron loads into
 the TE model (its norms save TE "extra state"), whose log-probs match transformers, and the
 TE model's own checkpoint converts back to the HF input's tensors (the CPU twin with a
-stand-in TE norm is tests/test_te_checkpoints.py).
+stand-in TE norm is tests/multiprocess/test_te_checkpoints.py).
 
 Every rank works in ONE folder (issue 38, defect 5): the checkpoint save, the HF export and
 the converters are collective, each rank writing its share of the same directory, so rank 0
@@ -93,7 +93,7 @@ def main() -> None:
     from megatron_klear.ops.backend import loss_backend
     from megatron_klear.train.engine import build_engine
     from megatron_klear.train.rl import RLConfig
-    from tests.test_placement import _padded_sp_step
+    from tests.multiprocess.test_placement import _padded_sp_step
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", help="a folder every rank sees (default: a temp folder of rank 0)")

@@ -96,8 +96,8 @@ def test_buckets_from_parameter_memory_load_into_real_sglang(servers, sglang_mod
     """The recipes' layout (DDP with the distributed optimizer, DP=2), every run of adjacent
     parameters sent from param_data (specs in memory order): real SGLang's
     FlattenedTensorBucket accepts the buckets and serves the trainer's logprobs, also after
-    an in-place update (tests/test_weight_sync.py's check, against real SGLang)."""
-    from tests.test_weight_sync import STALE_MIN, _sync_and_probe
+    an in-place update (tests/multiprocess/test_weight_sync.py's check, against real SGLang)."""
+    from tests.multiprocess.test_weight_sync import STALE_MIN, _sync_and_probe
 
     results = run_distributed(_sync_and_probe, 2, servers.urls[0], str(sglang_model), 1, 1,
                               "flattened_bucket", True, timeout=600)
@@ -131,8 +131,8 @@ def test_tensor_handles_and_release_resume_on_real_sglang(servers, sglang_model)
     memory and loads it: the server then serves transformers' log-probs of those weights.
     Outside a begin/end session it is refused with the message the embedded server copies."""
     from tests.rollout_helpers import load_reference, reference_logprobs
-    from tests.test_colocate import _flat_payload
-    from tests.test_weight_sync import PROBE_IDS, STALE_MIN, _post
+    from tests.multiprocess.test_colocate import _flat_payload
+    from tests.multiprocess.test_weight_sync import PROBE_IDS, STALE_MIN, _post
     from megatron_klear.rollout.transport.tensor_handles import serialize_bucket
 
     url = servers.urls[1]
@@ -176,7 +176,7 @@ def test_klear_rl_colocated_on_real_sglang(servers, sglang_model, prompts, tmp_p
     hand-over (each tag only in the state SGLang accepts) and the tensor-handle sync go to
     SGLang; the probe is below 1e-3. Without --enable-memory-saver: SGLang cannot start
     with it on a CPU (torch_memory_saver links libcuda.so.1)."""
-    from tests.test_weight_sync import _post
+    from tests.multiprocess.test_weight_sync import _post
 
     url = servers.urls[1]  # held: the test before resumed what it released
     args = _rl_args(sglang_model, prompts, tmp_path / "ck", [url], 2,
@@ -240,7 +240,7 @@ def _rejoin(rank: int, world: int, model_dir: str, survivor: str, victim: str, l
     """Sync with the victim dead, restart it on its port, sync again (world 1, one process)."""
     from megatron_klear.rollout.transport.weight_sync import WeightSync
     from megatron_klear.rollout.transport.probe import trainer_sequence_logprobs
-    from tests.test_weight_sync import PROBE_IDS, STALE_MIN, _build
+    from tests.multiprocess.test_weight_sync import PROBE_IDS, STALE_MIN, _build
 
     model, arch = _build(model_dir, 1, 1, seed=11)  # weights far from the checkpoint's
     lp = trainer_sequence_logprobs(model, arch, PROBE_IDS)

@@ -8,7 +8,7 @@ thing from the same modules and weights -- projections, rotary embedding and
 ``apply_rotary_pos_emb``, the MLP or sparse-MoE block, ``lm_head``; the RMSNorms as one fused
 ``rms_norm`` each -- with eager grouped-query attention and an fp32 softmax
 (``eager_attention_forward``), so its logits are transformers' to fp32 rounding
-(tests/test_rollout_server.py compares them). Full attention only, as Qwen3 and Qwen3-MoE
+(tests/multiprocess/test_rollout_server.py compares them). Full attention only, as Qwen3 and Qwen3-MoE
 use; a config with sliding-window layers is refused by :func:`check_supported`.
 
 An fp32 model on the CPU runs the extension's kernels (csrc/cpu/decode_cpu.h: the same math in

@@ -82,7 +82,7 @@ __all__ = ["RolloutServer", "build_app", "main"]
 log = logging.getLogger("megatron_klear.rollout.engine.server")
 
 # test hook: "SEED:MAX_S" delays each /generate reply by a seeded random time in [0, MAX_S), so
-# tests can make replies arrive in another order than the requests went out (tests/test_rl.py)
+# tests can make replies arrive in another order than the requests went out (tests/multiprocess/test_rl.py)
 REPLY_DELAY_ENV = "MEGATRON_KLEAR_TEST_REPLY_DELAY"
 
 

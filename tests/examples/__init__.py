@@ -1,0 +1,1 @@
+"""Examples tier: the example scripts and README commands, run as written."""
