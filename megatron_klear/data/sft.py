@@ -227,12 +227,12 @@ def _turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, content_e
 def _closing(tokenizer: Any, messages: list[dict], i: int, kwargs: dict) -> str:
     """The text the template closes assistant message ``i`` with, learnt from a probe: the
     messages before it and a marker message, without tool calls, as the last message. The
-    whitespace after it is not part of the turn: the model stops at its end-of-turn token
-    (Qwen3's ``<|im_end|>``) and never generates the newline the template writes next."""
+    newline the template writes after the end-of-turn token is trained with the turn (the
+    tiny ``--tools`` quickstart's SFT fails without it: docs/results.md, CPU quickstart)."""
     mark = _MARK.format(i)
     probe_msg = {k: v for k, v in messages[i].items() if k != "tool_calls"}
     probe = _render(tokenizer, messages[:i] + [dict(probe_msg, content=mark)], False, kwargs)
-    return probe[_once(probe, mark, "a probe assistant message") + len(mark):].rstrip()
+    return probe[_once(probe, mark, "a probe assistant message") + len(mark):]
 
 
 def _tool_turn_end(tokenizer: Any, messages: list[dict], i: int, full: str, start: int,

@@ -161,7 +161,7 @@ def test_the_tool_quickstart_data_trains_the_calls_and_answers(tmp_path):
         msgs = rec["messages"]
         want = "".join((f'<tool_call>{{"name": "python", "arguments": '
                         f'{json.dumps(m["tool_calls"][0]["function"]["arguments"])}}}</tool_call>'
-                        if m.get("tool_calls") else m["content"]) + "<|im_end|>"
+                        if m.get("tool_calls") else m["content"]) + "<|im_end|>\n"
                        for m in msgs if m["role"] == "assistant")
         assert trained == want
         assert "<tools>python: code</tools>" in tok.decode(s.input_ids)
@@ -204,9 +204,10 @@ REASONING = ("I should run it.", "Check both factors.", "It is 3293.", "Easy.")
 
 def _span_mask(tok, text: str, last_only: bool) -> tuple[list[int], list[int]]:
     """The independent reference: ids of ``text`` and a mask over every span from just after
-    ``<|im_start|>assistant\\n`` through the next ``<|im_end|>`` (only the last such span with
-    ``last_only``), found by a regular expression in the rendered text."""
-    spans = [m.span(1) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", text,
+    ``<|im_start|>assistant\\n`` through the next ``<|im_end|>`` and the newline after it
+    (only the last such span with ``last_only``), found by a regular expression in the
+    rendered text."""
+    spans = [m.span(1) for m in re.finditer(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>\n?)", text,
                                             re.S)]
     spans = spans[-1:] if last_only else spans
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
