@@ -138,8 +138,8 @@ class TeacherClient:
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Set each sample's teacher fields, each scored by its prompt's teacher; returns the
         wall seconds each teacher took (``time/teacher_s``, and ``time/teacher_<name>_s`` per
-        named teacher when there are several)."""
-        times: dict[str, float] = {}
+        named teacher when there are several, 0 for one no sample of the batch named)."""
+        times = {f"time/teacher_{name}_s": 0.0 for name in self.clients}
         by_teacher: dict[str, list[Sample]] = {}
         for s in samples:
             by_teacher.setdefault(self.route(s.prompt_index), []).append(s)
