@@ -67,6 +67,11 @@ def test_sglang_teacher_top_logprobs_match_transformers(teacher, sglang_model):
     assert all(len(row) == k and row[0][2] is None for row in rows[1:])
     assert all([e[0] for e in row] == sorted((e[0] for e in row), reverse=True)
                for row in rows[1:])
+    gen = {"input_ids": pairs[0][0], "return_logprob": True, "top_logprobs_num": k,
+           "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    (out,) = RolloutClient([teacher], request_timeout_s=120).post_balanced("/generate", [gen])
+    assert out["meta_info"]["input_top_logprobs"] == []  # as the embedded server answers
+    assert [len(row) for row in out["meta_info"]["output_top_logprobs"]] == [k, k]
     for (p, r), got in zip(pairs, TeacherClient([teacher], top_k=k,
                                                 request_timeout_s=120).scores(pairs)):
         with torch.no_grad():

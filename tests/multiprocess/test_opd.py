@@ -103,6 +103,14 @@ def test_teacher_top_logprobs_match_transformers(models, servers):
     rows = reply["meta_info"]["input_top_logprobs"]
     assert rows[0] is None and len(rows) == len(reply["meta_info"]["input_token_logprobs"])
     assert reply["meta_info"]["output_top_logprobs"] == []  # no new tokens
+    gen = {"input_ids": p, "return_logprob": True, "top_logprobs_num": TOP_K,
+           "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}}
+    (out,) = RolloutClient([servers["teacher"]]).post_balanced("/generate", [gen])
+    assert out["meta_info"]["input_top_logprobs"] == []  # no logprob_start_len, as SGLang
+    for (lp, tok, _), row in zip(out["meta_info"]["output_token_logprobs"],
+                                 out["meta_info"]["output_top_logprobs"], strict=True):
+        assert len(row) == TOP_K and row[0][0] >= lp  # the sampled token's distribution
+        assert all(e[0] == pytest.approx(lp) for e in row if e[1] == tok)
     want_lp, want_ids = _hf_top_logprobs(hf, p + r, TOP_K)
     for row, lp, ids in zip(rows[1:], want_lp[len(p) - 1:], want_ids[len(p) - 1:]):
         assert [e[1] for e in row] == ids.tolist() and all(e[2] is None for e in row)

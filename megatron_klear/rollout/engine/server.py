@@ -228,13 +228,13 @@ class RolloutServer:
         ``start`` on, the first None: sglang/srt/managers/scheduler_components/
         logprob_result_processor.py ``_process_input_top_logprobs`` puts ``[None]`` before the
         rows and pops the last, tokenizer_manager.py ``detokenize_top_logprobs_tokens`` keeps
-        the None), present only when input log-probs are asked (``start`` >= 0)."""
+        the None); empty without input log-probs (``start`` -1: SGLang's scheduler.py moves
+        it to the prompt's end, so no input row is left)."""
         def rows(tops):
             return [[[lp, t, None] for lp, t in zip(vals, ids)] for vals, ids in tops]
-        out = {"output_top_logprobs": rows(s.output_top_logprobs)}
-        if start >= 0:
-            out["input_top_logprobs"] = [None] + rows(s.input_top_logprobs[start:])
-        return out
+        return {"output_top_logprobs": rows(s.output_top_logprobs),
+                "input_top_logprobs": [None] + rows(s.input_top_logprobs[start:])
+                if start >= 0 else []}
 
     # ------------------------------------------------------------------ /generate
     def parse_generate(self, body: dict) -> _Request:
