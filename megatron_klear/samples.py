@@ -36,6 +36,9 @@ class Sample:
     trajectory: Any = None
     # on-policy distillation: the teacher's log-prob of each response token (None: no teacher)
     teacher_logprobs: list[float] | None = None
+    # --opd-top-k K: per response token, the teacher's K most likely ids and their log-probs
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -66,6 +69,10 @@ class RolloutBatch:
     # on-policy distillation: per sample, the teacher's log-prob of each response token;
     # empty without a teacher
     teacher_logprobs: list[list[float]] = field(default_factory=list)
+    # --opd-top-k K: per sample, per response token, the teacher's K most likely ids and their
+    # log-probs; empty without top-k
+    teacher_topk_ids: list[list[list[int]]] = field(default_factory=list)
+    teacher_topk_logprobs: list[list[list[float]]] = field(default_factory=list)
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], group_size: int, max_score: float,
@@ -89,7 +96,11 @@ class RolloutBatch:
                    max_score=max_score, kept=[s.kept for s in samples],
                    loss_masks=[s.loss_mask for s in samples] if partial else [],
                    teacher_logprobs=[s.teacher_logprobs for s in samples]
-                   if samples and samples[0].teacher_logprobs is not None else [])
+                   if samples and samples[0].teacher_logprobs is not None else [],
+                   teacher_topk_ids=[s.teacher_topk_ids for s in samples]
+                   if samples and samples[0].teacher_topk_ids is not None else [],
+                   teacher_topk_logprobs=[s.teacher_topk_logprobs for s in samples]
+                   if samples and samples[0].teacher_topk_ids is not None else [])
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -111,7 +122,8 @@ class RolloutBatch:
                 "prompt_index", "advantages") + (("kept",) if self.kept else ()) + \
             (("routed_experts",) if self.routed_experts else ()) + \
             (("loss_masks",) if self.loss_masks else ()) + \
-            (("teacher_logprobs",) if self.teacher_logprobs else ())
+            (("teacher_logprobs",) if self.teacher_logprobs else ()) + \
+            (("teacher_topk_ids", "teacher_topk_logprobs") if self.teacher_topk_ids else ())
 
     def select_groups(self, keep: Sequence[int]) -> "RolloutBatch":
         """A batch of the given groups only (stats are kept)."""

@@ -19,19 +19,21 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_klear.algo.kl import KL_ESTIMATORS, kl_per_token
-from megatron_klear.algo.opd import opd_advantages
+from megatron_klear.algo.opd import opd_advantages, opd_stats, topk_reverse_kl
 from megatron_klear.algo.rollout_correction import LEVELS, MODES, RolloutCorrection, \
     rollout_correction_weights
 from megatron_klear.config import ConfigError, Section, opt
 from megatron_klear.data.microbatches import is_positive
-from megatron_klear.ops import PolicyLossSpec, vocab_parallel_logprobs, vocab_parallel_policy_loss
+from megatron_klear.ops import PolicyLossSpec, vocab_parallel_gather_logits, \
+    vocab_parallel_logprobs, vocab_parallel_policy_loss
 from megatron_klear.ops.backend import loss_backend
 from megatron_klear.ops.loss_math import LOSS_AGGREGATIONS, AggregationTotals, MicroCounts, \
     aggregate_rl_loss, erc_band
 from megatron_klear.samples import RolloutBatch
 
 # per-step metrics averaged over optimizer steps; every other train/ metric is a token sum
-PER_STEP_METRICS = ("train/policy_loss", "train/sft_loss", "train/kl_loss", "train/loss")
+PER_STEP_METRICS = ("train/policy_loss", "train/sft_loss", "train/kl_loss", "train/opd_loss",
+                    "train/loss")
 
 
 @dataclass
@@ -248,7 +250,8 @@ def token_advantages(b: dict, correction: RolloutCorrection | None = None,
 
 def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_positive: float,
                    totals: AggregationTotals | None = None, *, temperature: float = 1.0,
-                   backend: str = "auto", opd_kl_coef: float = 0.0) -> Callable:
+                   backend: str = "auto", opd_kl_coef: float = 0.0,
+                   opd_top_k: int = 0) -> Callable:
     """GPPO (or PPO/CISPO) + alpha * SFT aggregated as ``--loss-aggregation`` says (default: each
     a token-level mean over the mini-batch, whose counts ``n_tokens`` / ``n_positive`` are),
     with the optional rollout correction (weights on the advantages) and ERC (old entropy per
@@ -258,7 +261,10 @@ def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_po
     ``opd_kl_coef``: on-policy distillation's lambda (``--opd-kl-coef``, algo/opd.py): with
     the micro-batch's ``teacher_logprobs``, each token's advantage loses lambda x (student -
     teacher log-prob), the student's being the old log-prob, or the rollout engine's under a
-    rollout correction."""
+    rollout correction; ``opd_top_k`` > 0 (``--opd-top-k``): instead, the advantage stays the
+    task's and the loss adds lambda x the reverse KL over the teacher's top-k ids
+    (``teacher_topk_ids`` / ``teacher_topk_logprobs``, algo/opd.py), aggregated as the policy
+    term."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     backend = loss_backend(backend)
     correction = loss.correction()
@@ -277,7 +283,7 @@ def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_po
             fill_logprobs(logits, b, vocab_size, temperature, backend)
         old = b["old_logprobs"]
         tokens = mask.sum()
-        adv, metrics = token_advantages(b, correction, opd_kl_coef)
+        adv, metrics = token_advantages(b, correction, 0.0 if opd_top_k else opd_kl_coef)
         out = vocab_parallel_policy_loss(
             logits, b["labels"], old, adv, mask, spec, old_entropy=b["entropy"] if erc else None,
             sequence_ids=sequence_ids(b), temperature=temperature, reduction="none",
@@ -287,11 +293,25 @@ def policy_loss_fn(loss: PolicyLossFlags, vocab_size: int, n_tokens: float, n_po
         total, pg, sft = aggregate_rl_loss(
             loss.loss_aggregation, out.loss, -out.logprobs, mask, b["positive"], loss.sft_alpha,
             totals, seq_tokens=seq_len, micro=micro_counts(b))
+
+        def as_policy_term(per_token: torch.Tensor) -> torch.Tensor:
+            """A per-token loss term aggregated as the policy term (its mask and counts)."""
+            return aggregate_rl_loss(loss.loss_aggregation, per_token,
+                                     torch.zeros_like(per_token), mask, b["positive"], 0.0,
+                                     totals, seq_tokens=seq_len, micro=micro_counts(b))[1]
+
+        if opd_top_k and "teacher_topk_ids" in b:  # on-policy distillation's top-k KL
+            picked = vocab_parallel_gather_logits(logits, b["teacher_topk_ids"], tp_group,
+                                                  vocab_size)
+            topk_kl = topk_reverse_kl(picked / temperature, b["teacher_topk_logprobs"])
+            opd_loss = as_policy_term(topk_kl)
+            total = total + opd_kl_coef * opd_loss
+            metrics.update({f"train/{k}": v for k, v in opd_stats(
+                topk_kl, adv, b["teacher_logprobs"], mask, opd_kl_coef).items()})
+            metrics["train/opd_loss"] = opd_loss.detach()
         if loss.kl_coef:  # aggregated as the policy term
             kl = kl_per_token(out.logprobs, b["ref_logprobs"], loss.kl_estimator)
-            _, kl_loss, _ = aggregate_rl_loss(loss.loss_aggregation, kl, torch.zeros_like(kl),
-                                              mask, b["positive"], 0.0, totals,
-                                              seq_tokens=seq_len, micro=micro_counts(b))
+            kl_loss = as_policy_term(kl)
             total = total + loss.kl_coef * kl_loss
             metrics.update({"train/kl_loss": kl_loss.detach(),
                             "train/kl": (kl.detach() * mask).sum()})

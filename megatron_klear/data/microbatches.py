@@ -65,6 +65,12 @@ def sample_fields(batch: RolloutBatch, i: int) -> tuple[list[int], dict[str, lis
               "rollout_logprobs": ctx + lp + [0.0] * (n - len(lp))}
     if batch.teacher_logprobs:  # on-policy distillation: aligned as the rollout log-probs
         fields["teacher_logprobs"] = ctx + list(batch.teacher_logprobs[i][:n])
+    if batch.teacher_topk_ids:  # --opd-top-k: [labels, k], the prompt's labels zero rows
+        ids = torch.tensor(batch.teacher_topk_ids[i][:n], dtype=torch.long)
+        lps = torch.tensor(batch.teacher_topk_logprobs[i][:n], dtype=torch.float32)
+        fields["teacher_topk_ids"] = torch.cat([ids.new_zeros(len(ctx), ids.shape[1]), ids])
+        fields["teacher_topk_logprobs"] = torch.cat([lps.new_zeros(len(ctx), lps.shape[1]),
+                                                     lps])
     if batch.routed_experts and batch.routed_experts[i] is not None:
         fields["routed_experts"] = batch.routed_experts[i]  # [labels, layers, k]
     return p + resp, fields
@@ -90,6 +96,10 @@ def pad_microbatches(batch: RolloutBatch, rows: Sequence[int], micro: int, pad_i
                 d["routed_experts"][r] = experts[-1]
                 d["routed_experts"][r, :len(experts)] = experts
             for k, v in fields.items():
+                if torch.is_tensor(v):  # [labels, k] (--opd-top-k), padding zero rows
+                    d.setdefault(k, v.new_zeros((len(chunk), seq_len, *v.shape[1:])))
+                    d[k][r, :len(v)] = v
+                    continue
                 d[k][r, :len(v)] = torch.tensor(v)
         d.update(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
                  position_ids=torch.arange(seq_len).expand(len(chunk), seq_len))

@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from megatron_klear.config import ConfigError
 from megatron_klear.rewards.livecodebench import BadTestCases, lcb_tests
@@ -232,9 +232,12 @@ def load_prompt_dataset(path: str | os.PathLike, *, prompt_key: str = "prompt",
                         answer_key: str = "answer", messages_key: str | None = None,
                         system_prompt: str | None = None,
                         answer_format: str | None = None,
-                        limit: int | None = None) -> list[PromptSample]:
+                        limit: int | None = None,
+                        meta_keys: Sequence[str] = ()) -> list[PromptSample]:
     """All samples of a .jsonl/.parquet prompt file (see the module doc for labels), or its
-    first ``limit`` (the pre-flight check of a run's data)."""
+    first ``limit`` (the pre-flight check of a run's data); ``meta_keys``: more record fields
+    to keep in each sample's ``meta`` (dotted keys walk nested fields, :func:`record_field`),
+    e.g. ``--opd-teacher-key``."""
     if answer_format is not None and answer_format not in ANSWER_FORMATS:
         raise DataError(f"unknown --answer-format {answer_format!r}; use one of {ANSWER_FORMATS}")
     path = os.fspath(path)
@@ -242,7 +245,7 @@ def load_prompt_dataset(path: str | os.PathLike, *, prompt_key: str = "prompt",
     for line, rec in itertools.islice(load_records(path), limit):
         where = _where(path, line)
         meta = {"file": path, "line": line, **{k: rec[k] for k in _META_KEYS if k in rec},
-                **tool_fields(rec, where)}
+                **tool_fields(rec, where), **{k: record_field(rec, k) for k in meta_keys}}
         samples.append(PromptSample(len(samples), _messages(rec, where, prompt_key, messages_key,
                                                             system_prompt),
                                     _label(rec, where, answer_key, answer_format), meta))

@@ -33,7 +33,7 @@ from megatron_klear.ops.loss_math import (ERC_MAX_LOG_RATIO, SEQUENCE_LOSSES, Po
                                           policy_metrics)
 
 __all__ = ["PolicyLossOutput", "vocab_parallel_policy_loss", "vocab_parallel_logprobs",
-           "available_backends", "resolve_backend"]
+           "vocab_parallel_gather_logits", "available_backends", "resolve_backend"]
 
 _KERNEL_LOSS_TYPES = {"ppo": 0, "gppo": 1, "cispo": 2}
 
@@ -139,6 +139,21 @@ def _check_targets(target_ids: Tensor, shard: _Shard, rows: int) -> Tensor:
                             "(replace ignore-index targets by any valid id and mask them with "
                             "loss_mask)")
     return targets
+
+
+class _SumShards(torch.autograd.Function):
+    """All-reduce (sum) of per-shard partial values; backward hands each rank the gradient as
+    it is (the loss is replicated on every TP rank, each rank differentiates its own shard)."""
+
+    @staticmethod
+    def forward(ctx, part: Tensor, group) -> Tensor:
+        out = part.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
 
 
 # --------------------------------------------------------------------------- torch reference
@@ -386,3 +401,20 @@ def vocab_parallel_logprobs(logits: Tensor, target_ids: Tensor, tp_group=None,
                                      inplace=inplace_backward)
     lead = logits.shape[:-1]
     return logp.view(lead), None if entropy is None else entropy.view(lead)
+
+
+def vocab_parallel_gather_logits(logits: Tensor, ids: Tensor, tp_group=None,
+                                 vocab_size: int | None = None) -> Tensor:
+    """The fp32 logits of global token ``ids`` [..., k] (the logits' leading shape, k ids per
+    position) from vocab-sharded ``logits`` [..., V/TP], differentiably: each rank picks the
+    ids its shard holds, zero for the others, and one all-reduce of the [..., k] picks sums
+    them; no full-vocabulary copy. On-policy distillation's top-k KL reads the student's
+    logits of the teacher's top-k ids with it (algo/opd.py)."""
+    if ids.shape[:-1] != logits.shape[:-1]:
+        raise ValueError(f"ids {tuple(ids.shape)} must have the logits' leading shape "
+                         f"{tuple(logits.shape[:-1])} and k ids per position")
+    shard = _shard(logits, tp_group, vocab_size)
+    local = ids.long() - shard.start
+    own = (local >= 0) & (local < shard.valid)
+    picked = torch.where(own, logits.gather(-1, local.clamp(0, shard.local - 1)).float(), 0.0)
+    return picked if shard.group is None else _SumShards.apply(picked, shard.group)

@@ -8,17 +8,27 @@ rollout/orchestration/teacher.py. ``--opd-type megatron`` (a checkpoint teacher 
 none`` (every reward 0, so the group advantage is 0 and only the teacher's term trains). Up
 front, in the dry run as in a real run: each teacher URL answers, and serves a model whose
 tokenizer is the student's.
+
+Top-k and several teachers (served teachers only): ``--opd-top-k K`` has the teacher return
+its K most likely tokens per response position, and the loss adds lambda x the reverse KL over
+them (algo/opd.py) instead of the sampled-token advantage. ``--opd-teacher-urls math=URL
+code=URL`` names the teachers (a name may repeat: its URLs are balanced), and
+``--opd-teacher-key FIELD`` is the prompt record's field naming each prompt's teacher; every
+record's value is checked up front against the names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+import re
 from typing import Any
 
 from megatron_klear.config import ConfigError, Section, opt
 
-__all__ = ["OPDFlags", "check_teacher_tokenizer"]
+__all__ = ["OPDFlags", "check_teacher_routes", "check_teacher_tokenizer", "parse_teachers"]
+
+_TEACHER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -42,6 +52,14 @@ class OPDFlags(Section):
     opd_teacher_temperature: float = opt(1.0, "temperature of the teacher's log-probs (a "
                                          "served teacher scores at 1 only: SGLang's input "
                                          "log-probs ignore temperature)")
+    # top-k and several teachers (served teachers; docs/opd.md)
+    opd_top_k: int = opt(0, "K > 0: the served teacher returns its K most likely tokens per "
+                         "response position (SGLang's top_logprobs_num) and the loss adds "
+                         "--opd-kl-coef x the reverse KL over them; 0: the sampled-token "
+                         "advantage")
+    opd_teacher_key: str | None = opt(None, "the prompt record's field naming its teacher, one "
+                                      "of the NAMEs of --opd-teacher-urls NAME=URL ... (dotted: "
+                                      "a nested field)")
 
     def validate_section(self) -> None:
         """The flags alone: they need --use-opd, the teacher of their --opd-type, lambda > 0,
@@ -50,7 +68,8 @@ class OPDFlags(Section):
             changed = [f for f, default in (("opd_type", "sglang"), ("opd_kl_coef", 1.0),
                                             ("opd_teacher_urls", None),
                                             ("opd_teacher_load", None),
-                                            ("opd_teacher_temperature", 1.0))
+                                            ("opd_teacher_temperature", 1.0),
+                                            ("opd_top_k", 0), ("opd_teacher_key", None))
                        if getattr(self, f) != default]
             if changed:
                 raise ConfigError(f"--{changed[0].replace('_', '-')} applies with --use-opd: "
@@ -61,6 +80,9 @@ class OPDFlags(Section):
             return
         if not self.opd_kl_coef > 0:
             raise ConfigError(f"--opd-kl-coef must be > 0, got {self.opd_kl_coef}")
+        if self.opd_top_k < 0:
+            raise ConfigError(f"--opd-top-k must be >= 0 (0: the sampled-token estimate), got "
+                              f"{self.opd_top_k}")
         if not self.opd_teacher_temperature > 0:
             raise ConfigError(f"--opd-teacher-temperature must be > 0, got "
                               f"{self.opd_teacher_temperature}")
@@ -75,6 +97,15 @@ class OPDFlags(Section):
                 raise ConfigError(f"--opd-teacher-temperature {self.opd_teacher_temperature}: a "
                                   "served teacher scores at 1 only (SGLang computes input "
                                   "log-probs from the unscaled logits); drop the flag")
+            teachers = self.teachers()
+            if self.opd_teacher_key and "" in teachers:
+                raise ConfigError("--opd-teacher-key picks a teacher by name: give "
+                                  "--opd-teacher-urls as NAME=URL ... (e.g. math=http://a "
+                                  "code=http://b)")
+            if not self.opd_teacher_key and len(teachers) > 1:
+                raise ConfigError(f"--opd-teacher-urls names {len(teachers)} teachers "
+                                  f"({', '.join(teachers)}): add --opd-teacher-key FIELD, the "
+                                  "prompt record's field that names each prompt's teacher")
         else:
             if not self.opd_teacher_load:
                 raise ConfigError("--use-opd --opd-type megatron needs --opd-teacher-load DIR "
@@ -82,6 +113,12 @@ class OPDFlags(Section):
             if self.opd_teacher_urls:
                 raise ConfigError("--opd-teacher-urls is the served teacher of --opd-type "
                                   "sglang; drop it with --opd-type megatron")
+            for flag, value in (("opd_top_k", self.opd_top_k),
+                                ("opd_teacher_key", self.opd_teacher_key)):
+                if value:
+                    raise ConfigError(f"--{flag.replace('_', '-')} needs a served teacher "
+                                      "(--opd-type sglang); the checkpoint teacher scores the "
+                                      "sampled token only")
         if getattr(self, "loss_type", None) == "gspo":
             raise ConfigError("--use-opd gives each token its own advantage; --loss-type gspo "
                               "takes one per response: use another --loss-type")
@@ -101,7 +138,7 @@ class OPDFlags(Section):
                               "--opd-teacher-urls URL")
         from megatron_klear.rollout.orchestration.client import RolloutClient, RolloutError
 
-        for url in self.opd_teacher_urls:
+        for url in (u for urls in self.teachers().values() for u in urls):
             try:
                 info = RolloutClient([url], request_timeout_s=10).get_all("/model_info")
             except (RolloutError, OSError) as e:
@@ -110,6 +147,44 @@ class OPDFlags(Section):
             path = next(iter(info.values())) or {}
             check_teacher_tokenizer(url, path.get("tokenizer_path") or path.get("model_path"),
                                     self.hf_checkpoint)
+        if self.opd_teacher_key:
+            check_teacher_routes(self.prompt_data, self.opd_teacher_key, self.teachers())
+
+    def teachers(self) -> dict[str, list[str]]:
+        """The served teachers' URLs by name (:func:`parse_teachers`)."""
+        return parse_teachers(self.opd_teacher_urls or [])
+
+
+def parse_teachers(items: list[str]) -> dict[str, list[str]]:
+    """``--opd-teacher-urls`` as {name: URLs}: ``NAME=URL`` items by name (a name may repeat:
+    one teacher behind several servers), plain URLs all under the name ``""`` (one teacher);
+    ConfigError for a mix or a bad name."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or "/" in name or ":" in name:  # a plain URL (whatever '=' its query has)
+            name, url = "", item
+        elif not _TEACHER_NAME.fullmatch(name) or not url:
+            raise ConfigError(f"--opd-teacher-urls {item}: give NAME=URL with NAME of letters, "
+                              "digits, '_', '.' or '-' (e.g. math=http://127.0.0.1:30100)")
+        out.setdefault(name, []).append(url)
+    if "" in out and len(out) > 1:
+        raise ConfigError("--opd-teacher-urls mixes plain URLs and NAME=URL: name every "
+                          "teacher, or give one teacher's plain URLs")
+    return out
+
+
+def check_teacher_routes(path: str, key: str, teachers: dict[str, list[str]]) -> None:
+    """ConfigError naming the file, line, value and choices unless every record of the prompt
+    file ``path`` has a field ``key`` that names one of ``teachers``."""
+    from megatron_klear.data.prompts import load_records, record_field
+
+    for line, rec in load_records(path):
+        value = record_field(rec, key)
+        if str(value) not in teachers or value is None:
+            raise ConfigError(f"--opd-teacher-key {key}: {path}:{line} has {value!r}, not one "
+                              f"of the teachers of --opd-teacher-urls ({', '.join(teachers)}); "
+                              "fix the record or add that teacher")
 
 
 def check_teacher_tokenizer(url: str, teacher_dir: str | None, student_dir: str) -> None:

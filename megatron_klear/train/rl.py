@@ -49,7 +49,8 @@ def train(cfg: RLConfig) -> list[dict]:
     tokenizer = load_tokenizer(cfg.hf_checkpoint, cfg.prompt_template, cfg.chat_template,
                                parse_chat_template_kwargs(cfg.chat_template_kwargs))
     prompts = load_prompt_dataset(cfg.prompt_data, prompt_key=cfg.prompt_key,
-                                  answer_key=cfg.answer_key, answer_format=cfg.answer_format)
+                                  answer_key=cfg.answer_key, answer_format=cfg.answer_format,
+                                  meta_keys=[cfg.opd_teacher_key] if cfg.opd_teacher_key else [])
     if cfg.rollout_engine_memory == "launched":  # released before the model is built
         release_launched_engines(cfg.rollout_urls)
     run = start_run(cfg, arch, "consumed_prompts")
@@ -95,7 +96,10 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
     ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
     teacher = None
     if cfg.use_opd and torch.distributed.get_rank() == 0:  # rank 0 collects the batches
-        teacher = TeacherClient(cfg.opd_teacher_urls)
+        key = cfg.opd_teacher_key  # several teachers: each prompt's by its record's field
+        teacher = TeacherClient(cfg.teachers(), None if key is None else
+                                lambda index: str(stream.prompts[index].meta[key]),
+                                top_k=cfg.opd_top_k)
     collect = functools.partial(collect_batch, client, tokenizer, stream, cfg.rollout_batch_size,
                                 params, cfg.reward, cfg.part(DynamicSamplingFlags),
                                 prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),
@@ -165,7 +169,8 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
         m = engine.train_step(mbs, policy_loss_fn(
             cfg.part(PolicyLossFlags), vocab, counts.tokens, counts.positive_tokens, counts,
             temperature=cfg.rollout_temperature, backend=cfg.loss_backend,
-            opd_kl_coef=cfg.opd_kl_coef if cfg.use_opd else 0.0))
+            opd_kl_coef=cfg.opd_kl_coef if cfg.use_opd else 0.0,
+            opd_top_k=cfg.opd_top_k if cfg.use_opd else 0))
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
     t_train = time.time() - t0

@@ -164,7 +164,8 @@ def collect_batch(client: RolloutClient, tokenizer: Any, stream: PromptStream, n
             break
     pipeline.advantages(ctx, kept)
     if teacher is not None:
-        ctx.add_stat("time/teacher_s", teacher.score(kept))
+        for key, seconds in teacher.score(kept).items():
+            ctx.add_stat(key, seconds)
     return RolloutBatch.from_samples(kept, n, ctx.max_score,
                                      rollout_stats(ctx, scored, drawn, dropped, len(kept) // n))
 

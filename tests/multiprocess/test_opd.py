@@ -3,7 +3,10 @@ advantage against a hand computation from transformers, a real ``klear-rl --use-
 and the up-front checks (exit 2 with one line, dry run and real run alike).
 
 The teacher is an embedded server over a tiny Qwen3 of another size (3 layers, a wider MLP)
-with the student's tokenizer; a second one has a tokenizer with one more token.
+with the student's tokenizer; a second, smaller teacher (the student's size, other weights)
+is the other teacher of the several-teachers checks; a third one has a tokenizer with one more
+token. The top-k KL term is checked against a hand computation from transformers' full
+student and teacher distributions at TP=2 (the vocabulary split over two ranks).
 """
 
 import json
@@ -17,6 +20,7 @@ from tests.dist import run_distributed
 from tests.rollout_helpers import fixed_rollout_batch, load_reference, reference_logprobs
 
 LAMBDA = 0.7
+TOP_K = 4
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +32,23 @@ def models(tmp_path_factory):
     student = save_tiny_hf_model(d / "student", seed=0, std=0.2)
     teacher = save_tiny_hf_model(d / "teacher", seed=7, std=0.2, num_hidden_layers=3,
                                  intermediate_size=192)
+    small = save_tiny_hf_model(d / "small", seed=11, std=0.2)
     other = save_tiny_hf_model(d / "other", seed=7, std=0.2, with_tokenizer=False)
     tok = build_tokenizer()
     tok.add_tokens(["<extra>"])
     tok.save_pretrained(str(other))
-    return {"dir": d, "student": student, "teacher": teacher, "other": other}
+    return {"dir": d, "student": student, "teacher": teacher, "small": small, "other": other}
 
 
 @pytest.fixture(scope="module")
 def servers(models):
-    """An embedded server over the teacher and one over the other-tokenizer teacher."""
+    """An embedded server over each teacher and one over the other-tokenizer teacher."""
     from megatron_klear.rollout.engine.launcher import launch_embedded_servers
 
     with launch_embedded_servers(models["teacher"]) as good, \
+            launch_embedded_servers(models["small"]) as small, \
             launch_embedded_servers(models["other"]) as other:
-        yield {"teacher": good.urls[0], "other": other.urls[0]}
+        yield {"teacher": good.urls[0], "small": small.urls[0], "other": other.urls[0]}
 
 
 def test_teacher_scores_response_tokens_as_transformers(models, servers):
@@ -70,6 +76,164 @@ def test_teacher_scores_response_tokens_as_transformers(models, servers):
         want = reference_logprobs(hf, p + r)[-len(r):]
         assert len(lps) == len(r)
         torch.testing.assert_close(torch.tensor(lps), want, atol=1e-4, rtol=0)
+
+
+def _hf_top_logprobs(model, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' top-k (log-probs, ids) of the distribution after each token but the last
+    of ``ids``: [len - 1, k] each, sorted descending."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+
+
+def test_teacher_top_logprobs_match_transformers(models, servers):
+    """top_logprobs_num k: the reply's input_top_logprobs has SGLang 0.5.23's shape (aligned
+    with input_token_logprobs, the first None, k [logprob, id, None] per row sorted
+    descending) and holds transformers' top-k of the teacher at each response position; the
+    client returns them per response token."""
+    from megatron_klear.rollout.orchestration.client import RolloutClient
+    from megatron_klear.rollout.orchestration.teacher import TeacherClient, prefill_request
+
+    batch = fixed_rollout_batch([1.0, 0.0, 0.0, 1.0], seed=3)
+    pairs = list(zip(batch.prompt_ids, batch.response_ids))
+    hf, _ = load_reference(models["teacher"])
+    p, r = pairs[1]
+    (reply,) = RolloutClient([servers["teacher"]]).post_balanced(
+        "/generate", [prefill_request(p, r, top_k=TOP_K)])
+    rows = reply["meta_info"]["input_top_logprobs"]
+    assert rows[0] is None and len(rows) == len(reply["meta_info"]["input_token_logprobs"])
+    assert reply["meta_info"]["output_top_logprobs"] == []  # no new tokens
+    gen = {"input_ids": p, "return_logprob": True, "top_logprobs_num": TOP_K,
+           "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}}
+    (out,) = RolloutClient([servers["teacher"]]).post_balanced("/generate", [gen])
+    assert out["meta_info"]["input_top_logprobs"] == []  # no logprob_start_len, as SGLang
+    for (lp, tok, _), row in zip(out["meta_info"]["output_token_logprobs"],
+                                 out["meta_info"]["output_top_logprobs"], strict=True):
+        assert len(row) == TOP_K and row[0][0] >= lp  # the sampled token's distribution
+        assert all(e[0] == pytest.approx(lp) for e in row if e[1] == tok)
+    want_lp, want_ids = _hf_top_logprobs(hf, p + r, TOP_K)
+    for row, lp, ids in zip(rows[1:], want_lp[len(p) - 1:], want_ids[len(p) - 1:]):
+        assert [e[1] for e in row] == ids.tolist() and all(e[2] is None for e in row)
+        assert [e[0] for e in row] == sorted((e[0] for e in row), reverse=True)
+        torch.testing.assert_close(torch.tensor([e[0] for e in row]), lp, atol=1e-4, rtol=0)
+    got = TeacherClient([servers["teacher"]], top_k=TOP_K).scores(pairs)
+    for (p, r), scores in zip(pairs, got):
+        want_lp, want_ids = _hf_top_logprobs(hf, p + r, TOP_K)
+        assert scores.topk_ids == want_ids[-len(r):].tolist()
+        torch.testing.assert_close(torch.tensor(scores.topk_logprobs), want_lp[-len(r):],
+                                   atol=1e-4, rtol=0)
+
+
+def test_each_sample_is_scored_by_its_prompts_teacher(models, servers):
+    """Two named teachers of different sizes, a route from each prompt to one: every sample's
+    teacher log-probs are transformers' of its own prompt's teacher (and not the other's);
+    the per-teacher times are returned."""
+    from megatron_klear.rollout.orchestration.teacher import TeacherClient
+    from megatron_klear.samples import Sample
+
+    batch = fixed_rollout_batch([1.0, 0.0, 0.0, 1.0], seed=5)
+    routes = {0: "big", 1: "small"}  # prompt index -> teacher
+    samples = [Sample(p, r, [0.0] * len(r), [1] * len(r), "stop", batch.prompt_index[i],
+                      group=i // 2)
+               for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids))]
+    client = TeacherClient({"big": [servers["teacher"]], "small": [servers["small"]]},
+                           routes.__getitem__)
+    times = client.score(samples)
+    assert set(times) == {"time/teacher_s", "time/teacher_big_s", "time/teacher_small_s"}
+    hf = {"big": load_reference(models["teacher"])[0], "small": load_reference(models["small"])[0]}
+    for s in samples:
+        mine, theirs = routes[s.prompt_index], routes[1 - s.prompt_index]
+        want = reference_logprobs(hf[mine], s.prompt_ids + s.response_ids)[-len(s.response_ids):]
+        torch.testing.assert_close(torch.tensor(s.teacher_logprobs), want, atol=1e-4, rtol=0)
+        other = reference_logprobs(hf[theirs], s.prompt_ids + s.response_ids)
+        assert (torch.tensor(s.teacher_logprobs) - other[-len(s.response_ids):]).abs().max() > 0.05
+
+
+def _topk_loss_terms(rank, world, student, batch):
+    """The trainer's loss on a fixed batch at TP=``world`` from transformers' student logits
+    split over the ranks' vocabulary shards: with the top-k KL (``--opd-top-k``) and without
+    it (same advantages); returns the KL term's metrics and the gradient it adds to this
+    rank's shard."""
+    from megatron.core import parallel_state
+
+    from megatron_klear.algo.rl_objective import PolicyLossFlags, policy_loss_fn
+    from megatron_klear.data.microbatches import pad_microbatches
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
+    (mb,) = pad_microbatches(batch, list(range(len(batch))), len(batch), 0, seq_len)
+    hf, _ = load_reference(student)
+    with torch.no_grad():
+        logits = hf(input_ids=mb["tokens"]).logits.float()
+    vocab = logits.shape[-1]
+    local = -(-vocab // world)
+    padded = torch.nn.functional.pad(logits, (0, local * world - vocab), value=-30.0)
+    shard = padded[..., rank * local:(rank + 1) * local]
+    tokens = float(mb["loss_mask"].sum())
+    out = {}
+    for top_k in (TOP_K, 0):
+        x = shard.clone().requires_grad_()
+        fn = policy_loss_fn(PolicyLossFlags(), vocab, tokens, tokens,
+                            opd_kl_coef=LAMBDA if top_k else 0.0, opd_top_k=top_k)
+        b = {k: v.clone() if torch.is_tensor(v) else v for k, v in mb.items()}
+        total, metrics = fn(x, b)
+        total.backward()
+        out[top_k] = (x.grad.clone(), metrics)
+    grad = out[TOP_K][0] - out[0][0]
+    m = out[TOP_K][1]
+    return {"grad": grad, "opd_loss": float(m["train/opd_loss"]), "local": local,
+            "reverse_kl": float(m["train/opd_reverse_kl"]),
+            "teacher_logprob": float(m["train/opd_teacher_logprob"]), "mask": mb["loss_mask"]}
+
+
+def test_topk_kl_term_matches_hand_computation_tp2(models, servers):
+    """--opd-top-k K at TP=2: the loss's KL term (value, and the gradient it adds to each
+    rank's vocabulary shard) equals a hand computation from transformers' full student and
+    teacher distributions restricted to the teacher's top K and renormalised there: lambda x
+    the token mean of sum_S q_s (log q_s - log q_t); a masked (tool) token adds nothing."""
+    from megatron_klear.rollout.orchestration.teacher import TeacherClient
+
+    batch = fixed_rollout_batch([1.0, 0.0, 0.0, 1.0], seed=3)
+    batch.loss_masks = [[1] * len(r) for r in batch.response_ids]
+    batch.loss_masks[1][2:4] = [0, 0]  # a tool response inside sample 1
+    got = TeacherClient([servers["teacher"]], top_k=TOP_K).scores(
+        list(zip(batch.prompt_ids, batch.response_ids)))
+    batch.teacher_logprobs = [g.logprobs for g in got]
+    batch.teacher_topk_ids = [g.topk_ids for g in got]
+    batch.teacher_topk_logprobs = [g.topk_logprobs for g in got]
+    ranks = run_distributed(_topk_loss_terms, 2, str(models["student"]), batch)
+    hs, _ = load_reference(models["student"])
+    ht, _ = load_reference(models["teacher"])
+    mask = ranks[0]["mask"]
+    seq_len = mask.shape[1]
+    full = torch.zeros(len(batch), seq_len, hs.config.vocab_size, requires_grad=True)
+    kl_sum = 0.0
+    total = torch.zeros(())
+    for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        with torch.no_grad():
+            student = hs(input_ids=torch.tensor([p + r])).logits[0, :-1].float()
+            teacher = torch.log_softmax(ht(input_ids=torch.tensor([p + r])).logits[0, :-1]
+                                        .float(), dim=-1)
+        cols = slice(len(p) - 1, len(p) - 1 + len(r))
+        z = full[i, :len(p + r) - 1] + student  # the student's logits, differentiable
+        ps = torch.softmax(z, dim=-1)[cols]
+        top = teacher[cols].topk(TOP_K, dim=-1).indices  # the teacher's top K
+        qs = ps.gather(-1, top) / ps.gather(-1, top).sum(-1, keepdim=True)
+        pt = teacher[cols].exp().gather(-1, top)
+        qt = pt / pt.sum(-1, keepdim=True)
+        kl = (qs * (qs.log() - qt.log())).sum(-1) * mask[i, cols]
+        total = total + kl.sum()
+        kl_sum += float(kl.detach().sum())
+    loss = LAMBDA * total / mask.sum()
+    loss.backward()
+    for rank, out in enumerate(ranks):
+        assert out["opd_loss"] == pytest.approx(float(total / mask.sum()), abs=1e-5)
+        assert out["reverse_kl"] == pytest.approx(kl_sum, abs=1e-4)
+        lo, hi = rank * out["local"], min((rank + 1) * out["local"], full.shape[-1])
+        torch.testing.assert_close(out["grad"][..., :hi - lo], full.grad[..., lo:hi],
+                                   atol=1e-6, rtol=1e-4)
+        assert not out["grad"][..., hi - lo:].any()  # rank 1's padding column
+    assert kl_sum > 0.05 and full.grad.abs().max() > 1e-4  # the term is not noise
 
 
 def _advantage_step(rank, world, student, url):
@@ -143,15 +307,20 @@ def _rl_train(rank, world, argv):
 
 
 def test_pure_distillation_run_logs_the_metrics(models, servers, tmp_path):
-    """``klear-rl --use-opd --reward none``: every reward 0, so no group has a reward spread,
-    yet none is dropped (each carries the teacher's signal); the whole advantage comes from
-    the teacher; the step logs reverse KL, the teacher's mean log-prob and time."""
+    """``klear-rl --use-opd --reward none`` with two teachers chosen by a prompt field and the
+    top-k KL: every reward 0, so no group has a reward spread, yet none is dropped (each
+    carries the teacher's signal); the whole signal comes from the teachers (the top-k KL
+    term); the step logs reverse KL, the teacher's mean log-prob, its time and each
+    teacher's."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x"}) + "\n"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x",
+                                           "teacher": ("big", "small")[i % 2]}) + "\n"
                                for i in range(8)))
     argv = ["--hf-checkpoint", str(models["student"]), "--prompt-data", str(prompts),
             "--save", str(tmp_path / "ck"), "--reward", "none", "--use-opd",
-            "--opd-teacher-urls", servers["teacher"], "--opd-kl-coef", str(LAMBDA),
+            "--opd-teacher-urls", f"big={servers['teacher']}", f"small={servers['small']}",
+            "--opd-teacher-key", "teacher", "--opd-top-k", str(TOP_K),
+            "--opd-kl-coef", str(LAMBDA),
             "--rollout-batch-size", "2", "--mini-batch-size", "2", "--n-samples-per-prompt",
             "2", "--micro-batch-size", "4", "--rollout-max-response-len", "8", "--lr", "1e-3",
             "--train-iters", "2", "--seed", "3", "--no-progress-bar"]
@@ -161,7 +330,10 @@ def test_pure_distillation_run_logs_the_metrics(models, servers, tmp_path):
         assert m["rollout/zero_adv_frac"] == 0 and m["rollout/groups_kept"] == 2
         assert m["train/opd_teacher_share"] == pytest.approx(1.0)
         assert m["train/opd_teacher_logprob"] < 0 and math.isfinite(m["train/opd_reverse_kl"])
-        assert m["time/teacher_s"] > 0
+        assert m["time/teacher_s"] > 0 and m["train/opd_loss"] > 0
+    for name in ("big", "small"):  # each teacher's time, and both served (the seed's prompts)
+        assert all(m[f"time/teacher_{name}_s"] >= 0 for m in hist)
+        assert any(m[f"time/teacher_{name}_s"] > 0 for m in hist)
     logged = read_metrics(tmp_path / "ck" / "metrics.jsonl")
     assert all("train/opd_reverse_kl" in m for m in logged)
 
@@ -191,6 +363,15 @@ def test_bad_teachers_and_flags_exit_2_with_one_line(models, servers, capsys, mo
     opd = [*base, "--use-opd", "--opd-teacher-urls"]
     dead = f"http://127.0.0.1:{free_port()}"
     missing = models["dir"] / "no_teacher"
+    routed_prompts, unrouted = models["dir"] / "routed.jsonl", models["dir"] / "unrouted.jsonl"
+    routed_prompts.write_text("".join(json.dumps({"prompt": "a", "answer": "b", "teacher": t})
+                                      + "\n" for t in ("math", "chemistry", "code")))
+    unrouted.write_text(prompts.read_text())
+
+    def routed(path):
+        return ["--hf-checkpoint", str(models["student"]), "--prompt-data", str(path),
+                "--use-opd", "--opd-teacher-urls", f"math={servers['teacher']}",
+                f"code={servers['small']}", "--opd-teacher-key", "teacher"]
     for argv, wants in [
             ([*opd, servers["other"]], f"serves {models['other']}"),
             ([*opd, servers["other"]], f"--hf-checkpoint {models['student']}"),
@@ -205,9 +386,26 @@ def test_bad_teachers_and_flags_exit_2_with_one_line(models, servers, capsys, mo
             ([*opd, servers["teacher"], "--opd-teacher-temperature", "0.6"],
              "--opd-teacher-temperature 0.6"),
             ([*opd, servers["teacher"], "--opd-kl-coef", "0"], "--opd-kl-coef must be > 0"),
-            ([*opd, servers["teacher"], "--loss-type", "gspo"], "--loss-type gspo")]:
+            ([*opd, servers["teacher"], "--loss-type", "gspo"], "--loss-type gspo"),
+            ([*opd, servers["teacher"], "--opd-top-k", "-1"], "--opd-top-k must be >= 0"),
+            ([*base, "--use-opd", "--opd-type", "megatron", "--opd-teacher-load",
+              str(models["teacher"]), "--opd-top-k", "4"], "--opd-top-k needs a served"),
+            ([*opd, servers["teacher"], "--opd-teacher-key", "teacher"],
+             "--opd-teacher-key picks a teacher by name"),
+            ([*opd, f"a={servers['teacher']}", f"b={servers['small']}"],
+             "add --opd-teacher-key FIELD"),
+            ([*opd, f"a={servers['teacher']}", servers["small"]], "mixes plain URLs"),
+            ([*opd, f"a={servers['teacher']}", f"b={servers['other']}", "--opd-teacher-key",
+              "teacher"], f"serves {models['other']}"),
+            (routed(routed_prompts), f"--opd-teacher-key teacher: {routed_prompts}:2 has "
+             "'chemistry', not one of the teachers of --opd-teacher-urls (math, code)"),
+            (routed(unrouted), f"--opd-teacher-key teacher: {unrouted}:1 has None")]:
         _exits_2_with_one_line(argv, wants, capsys)
     rl.main([*opd, servers["teacher"], "--dry-run"])
+    assert '"dry_run"' in capsys.readouterr().out
+    routed_prompts.write_text("".join(json.dumps({"prompt": "a", "answer": "b", "teacher": t})
+                                      + "\n" for t in ("math", "code")))
+    rl.main([*routed(routed_prompts), "--opd-top-k", "4", "--dry-run"])  # two teachers pass
     assert '"dry_run"' in capsys.readouterr().out
 
 

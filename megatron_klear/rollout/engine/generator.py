@@ -47,6 +47,11 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float] = field(default_factory=list)
+    # SGLang's top_logprobs_num: the k most likely tokens of each position, as (logprobs, ids)
+    # sorted by logprob, descending (torch.topk, as sglang/srt/layers/logprob_processor.py)
+    top_logprobs_num: int = 0
+    input_top_logprobs: list[tuple[list[float], list[int]]] = field(default_factory=list)
+    output_top_logprobs: list[tuple[list[float], list[int]]] = field(default_factory=list)
     text: str = ""
     finish_reason: dict | None = None
     seed: int | None = None  # sampling_seed (deterministic inference): draws from (seed, pos)
@@ -313,16 +318,20 @@ class Generator:
             lp = token_logprobs(logits[row, start:-1], temp)
             targets = ids[row, start + 1:]
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()
+            if s.top_logprobs_num:
+                s.input_top_logprobs = _top_logprobs(lp, s.top_logprobs_num)
 
     def _step(self, seqs: list[Sequence], settings: RowSettings, logprobs: torch.Tensor,
               uniforms: torch.Tensor) -> None:
         tokens = sample_next(logprobs, settings, uniforms)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-        for s, tok, lp in zip(seqs, tokens.tolist(), chosen):
+        for row, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), chosen)):
             if s.finish_reason is not None:
                 continue
             s.output_ids.append(tok)
             s.logprobs.append(lp)
+            if s.top_logprobs_num:
+                s.output_top_logprobs += _top_logprobs(logprobs[row:row + 1], s.top_logprobs_num)
             self._check_stop(s, tok)
 
     def _check_stop(self, s: Sequence, tok: int) -> None:
@@ -496,3 +505,10 @@ class Generator:
             if len(pool) < 2:  # else both back parameters: this one is not pooled
                 pool.append(fits)
         return fits
+
+
+def _top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[list[float], list[int]]]:
+    """Per row of ``logprobs`` [rows, V]: its ``k`` largest log-probs and their ids, sorted
+    descending (SGLang's ``logprobs.topk(k)``, sglang/srt/layers/logprob_processor.py)."""
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return list(zip(values.tolist(), ids.tolist()))

@@ -6,9 +6,10 @@ the trainer's rollout and weight-sync code is one code path exercised in CI over
 and a real torch.distributed group:
 
 * ``POST /generate`` -- text or input_ids, sampling_params (n, temperature, top_p, top_k,
-  max_new_tokens, stop, stop_token_ids, ignore_eos), return_logprob, logprob_start_len;
-  responses with ``text``, ``output_ids`` and ``meta_info`` (finish_reason,
-  output_token_logprobs ``[[logprob, id, None], ...]``, input_token_logprobs, weight_version);
+  max_new_tokens, stop, stop_token_ids, ignore_eos), return_logprob, logprob_start_len,
+  top_logprobs_num; responses with ``text``, ``output_ids`` and ``meta_info`` (finish_reason,
+  output_token_logprobs ``[[logprob, id, None], ...]``, input_token_logprobs, with
+  top_logprobs_num k > 0 input_top_logprobs and output_top_logprobs, weight_version);
   a list when n > 1. Logprobs are ``log_softmax(logits / temperature)`` (see sampling.py).
 * health/admin: ``/health``, ``/health_generate``, ``/flush_cache``, ``/model_info``,
   ``/get_weight_version``, ``/pause_generation``, ``/continue_generation``;
@@ -202,6 +203,8 @@ class RolloutServer:
                                                  for lp, t in zip(s.logprobs, s.output_ids)]
                 if r.logprob_start_len >= 0:
                     meta["input_token_logprobs"] = self._input_logprobs(s, r.logprob_start_len)
+                if s.top_logprobs_num:
+                    meta.update(self._top_logprobs(s, r.logprob_start_len))
             if r.return_routed_experts:  # SGLang's form: base64 int32 [positions, layers, k]
                 meta["routed_experts"] = encode_routed_experts(s.routed_experts())
             outs.append({"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta})
@@ -216,6 +219,22 @@ class RolloutServer:
         lps = [None] + s.input_logprobs
         return [[None if j == start else lps[j], s.prompt_ids[j], None]
                 for j in range(start, len(s.prompt_ids))]
+
+    @staticmethod
+    def _top_logprobs(s: Sequence, start: int) -> dict[str, list]:
+        """SGLang 0.5.23's ``input_top_logprobs`` / ``output_top_logprobs`` of a request with
+        ``top_logprobs_num`` k: per position a list of k ``[logprob, id, None]`` sorted by
+        logprob, descending; the input rows align with ``input_token_logprobs`` (from
+        ``start`` on, the first None: sglang/srt/managers/scheduler_components/
+        logprob_result_processor.py ``_process_input_top_logprobs`` puts ``[None]`` before the
+        rows and pops the last, tokenizer_manager.py ``detokenize_top_logprobs_tokens`` keeps
+        the None); empty without input log-probs (``start`` -1: SGLang's scheduler.py moves
+        it to the prompt's end, so no input row is left)."""
+        def rows(tops):
+            return [[[lp, t, None] for lp, t in zip(vals, ids)] for vals, ids in tops]
+        return {"output_top_logprobs": rows(s.output_top_logprobs),
+                "input_top_logprobs": [None] + rows(s.input_top_logprobs[start:])
+                if start >= 0 else []}
 
     # ------------------------------------------------------------------ /generate
     def parse_generate(self, body: dict) -> _Request:
@@ -236,10 +255,13 @@ class RolloutServer:
         cfgs = self._sampling_configs(body.get("sampling_params"), len(prompts), batched)
         start = body.get("logprob_start_len", -1)
         want_input = bool(body.get("return_logprob")) and isinstance(start, int) and start >= 0
+        tops = self._top_logprobs_nums(body.get("top_logprobs_num"), len(prompts))
         seqs = []
-        for prompt, cfg in zip(prompts, cfgs):
+        for prompt, cfg, top in zip(prompts, cfgs, tops):
             self._check_prompt(prompt, cfg, start)
-            seqs += self._sequences(prompt, cfg, want_input)
+            for s in self._sequences(prompt, cfg, want_input):
+                s.top_logprobs_num = top if body.get("return_logprob") else 0
+                seqs.append(s)
         # SGLang ignores the field unless started with --enable-return-routed-experts
         routed = bool(body.get("return_routed_experts")) and self.return_routed_experts
         if routed and not self.gen.moe_layers:
@@ -249,6 +271,17 @@ class RolloutServer:
         rid = body.get("rid") or uuid.uuid4().hex
         return _Request(str(rid), seqs, asyncio.get_running_loop().create_future(),
                         bool(body.get("return_logprob")), start, batched, routed)
+
+    @staticmethod
+    def _top_logprobs_nums(value, count: int) -> list[int]:
+        """``top_logprobs_num`` per prompt: one int for all, or one per prompt of a batch
+        (SGLang's ``GenerateReqInput.normalize_param``, sglang/srt/managers/io_struct.py); None
+        is 0."""
+        nums = value if isinstance(value, list) else [value or 0] * count
+        if len(nums) != count or not all(isinstance(k, int) and k >= 0 for k in nums):
+            raise RequestError(f"top_logprobs_num must be an integer >= 0 or a list of {count} "
+                               f"(one per prompt), got {value!r}")
+        return nums
 
     def _sampling_configs(self, params, count: int, batched: bool) -> list[SamplingParams]:
         if not (batched and isinstance(params, list)):
