@@ -34,6 +34,7 @@ INNER_TIMEOUT_S = 3  # math-verify's own per-step timeout, inside the worker
 KLEAR_TIMEOUT_S = 5  # the same in Klear's check (math_dapo.py)
 MAX_TAIL_CHARS = 4000  # without a box, only the end of the response can hold the answer
 WORKER_MEMORY_MB = 4096
+WORKER_START_TIMEOUT_S = 300.0  # a worker's imports (math-verify, sympy), outside every deadline
 _SCI = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
 PIPE_BYTES = 65536  # Linux's pipe capacity: a write that fits an empty pipe returns at once
 _ARITH = re.compile(r"[\d\s.+\-*/()]+")
@@ -154,6 +155,8 @@ def _serve() -> None:
     import math_verify  # noqa: F401 - imported before the freeze: sympy's heap stays out of it
 
     freeze_startup_heap()
+    out.write("ready\n")  # imports done: the caller's deadlines start now, not at the spawn
+    out.flush()
     for line in sys.stdin:
         try:
             response, answer, mode = json.loads(line)
@@ -174,6 +177,17 @@ class _Worker:
                                      stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
+        # a job's deadline times the verification, never the worker's imports (seconds on a
+        # loaded machine): a correct answer must not score 0 because the cores were busy
+        try:
+            ready = self.lines.get(timeout=WORKER_START_TIMEOUT_S)
+        except queue.Empty:
+            ready = ""
+        if ready != "ready\n":
+            self.kill()
+            raise RuntimeError(f"the math verifier worker ({sys.executable} -m "
+                               "megatron_klear.rewards.math) did not start within "
+                               f"{WORKER_START_TIMEOUT_S} s; is math-verify installed?")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
