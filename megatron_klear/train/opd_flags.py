@@ -144,8 +144,8 @@ def check_megatron_teacher(cfg: Any, student: Any) -> None:
         teacher.vocab_size, tp)
     if mine != theirs:
         raise ConfigError(f"{flag} {src}: the teacher's padded vocabulary {theirs} (vocab_size "
-                          f"{teacher.vocab_size}) is not the student's --hf-checkpoint "
-                          f"{cfg.hf_checkpoint} {mine} (vocab_size {student.vocab_size}): the "
+                          f"{teacher.vocab_size}) is not the student's (--hf-checkpoint "
+                          f"{cfg.hf_checkpoint}: {mine}, vocab_size {student.vocab_size}): the "
                           "teacher must share the student's tokenizer")
     tokenizer = source_tokenizer(src)
     if tokenizer and Path(tokenizer).is_dir():

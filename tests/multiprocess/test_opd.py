@@ -271,8 +271,9 @@ def test_bad_teachers_and_flags_exit_2_with_one_line(models, servers, teacher_ck
             ([*mg, str(models["dir"])], f"--opd-teacher-load {models['dir']}: neither a "
              "Hugging Face model dir"),
             ([*mg, str(models["wide"])], f"padded vocabulary 512 (vocab_size 400) is not the "
-             f"student's --hf-checkpoint {models['student']} 384"),
-            ([*mg, str(models["other"])], f"its tokenizer {models['other']} (301 tokens"),
+             f"student's (--hf-checkpoint {models['student']}: 128, vocab_size 103)"),
+            ([*mg, str(models["other"])], f"its tokenizer {models['other']} (104 tokens vs "
+             f"103; 1 entries differ) is not the student's --hf-checkpoint {models['student']}"),
             ([*base, "--opd-kl-coef", "0.5"], "--opd-kl-coef applies with --use-opd"),
             ([*base, "--reward", "none"], "--reward none"),
             ([*base, "--use-opd"], "--opd-teacher-urls"),
