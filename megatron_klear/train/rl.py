@@ -198,11 +198,18 @@ def teacher_logprobs(teacher: FrozenModel, mbs: list[dict], temperature: float) 
     """Fill each micro-batch's ``teacher_logprobs`` (the log-prob of each label at
     ``temperature``) with the Megatron teacher, on the device for this forward only; the
     seconds taken. The loss turns them into advantages as a served teacher's
-    (algo/rl_objective.py ``token_advantages``)."""
+    (algo/rl_objective.py ``token_advantages``). The student's replayed MoE routes stay out
+    of it: the teacher routes its own tokens."""
     t0 = time.time()
-    with teacher.resident() as engine:
-        old_logprobs(engine, mbs, engine.arch.vocab_size, temperature, key="teacher_logprobs",
-                     entropy_key=None)
+    routes = [mb.pop("routed_experts", None) for mb in mbs]
+    try:
+        with teacher.resident() as engine:
+            old_logprobs(engine, mbs, engine.arch.vocab_size, temperature,
+                         key="teacher_logprobs", entropy_key=None)
+    finally:
+        for mb, r in zip(mbs, routes):
+            if r is not None:
+                mb["routed_experts"] = r
     return time.time() - t0
 
 
