@@ -182,8 +182,9 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     steps = len(minis)
     out = step_means(totals, steps)
     if cfg.use_opd:  # the teacher's share of the advantage, |teacher term| / |whole|
-        teacher, task = out.pop("train/opd_teacher_adv_abs"), out.pop("train/opd_task_adv_abs")
-        out["train/opd_teacher_share"] = teacher / max(teacher + task, 1e-12)
+        by_teacher = out.pop("train/opd_teacher_adv_abs")
+        by_task = out.pop("train/opd_task_adv_abs")
+        out["train/opd_teacher_share"] = by_teacher / max(by_teacher + by_task, 1e-12)
     n_train = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
     if reference is not None:
         out["time/ref_logprob_s"] = t_ref
