@@ -424,8 +424,9 @@ def teacher_stage_params(arch, cfg: TrainConfig) -> list[int]:
     """Per pipeline stage, the parameters of one rank's shards of a frozen model of ``arch``
     built at ``cfg``'s layout (the Megatron OPD teacher, train/frozen_policy.py)."""
     t, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    return [_stage_params(arch, t, pp, i, layers) + int(layers * expert_params_per_layer(arch, cfg))
-            for i, layers in enumerate(PipelineLayout.from_config(arch.num_layers, cfg).stage_layers)]
+    layers = PipelineLayout.from_config(arch.num_layers, cfg).stage_layers
+    return [_stage_params(arch, t, pp, i, n) + int(n * expert_params_per_layer(arch, cfg))
+            for i, n in enumerate(layers)]
 
 
 # Memory flags, each with the config change it stands for, in the anchors' order of preference.
