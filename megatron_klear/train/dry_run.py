@@ -91,6 +91,12 @@ def dry_run(cfg: TrainConfig, workload: Workload | None = None) -> dict:
         if workload.reference_on_host:  # the reference's copy and the policy's stash
             host = 2 * max(st.params for st in plan.stages)
             report["memory"]["kl_reference_host_gib_per_rank"] = round(host / 2**30, 2)
+        if workload.teacher is not None:  # the Megatron OPD teacher: host, device in its forward
+            teacher = round(max(st.teacher for st in plan.stages) / 2**30, 2)
+            report["memory"]["opd_teacher"] = {
+                "model": f"{workload.teacher.num_layers} layers, hidden "
+                         f"{workload.teacher.hidden_size}",
+                "host_gib_per_rank": teacher, "device_gib_per_rank_in_its_forward": teacher}
         if getattr(cfg, "colocate", False):  # klear-rl --colocate: both phases per GPU
             colocated = plan_colocated(arch, cfg, plan, workload.seq_length)
             report["colocated"] = colocated.as_dict()

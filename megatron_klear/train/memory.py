@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from megatron_klear.config import ConfigError, TrainConfig
 from megatron_klear.models.pipeline_layout import PipelineLayout
@@ -43,7 +44,7 @@ __all__ = ["Workload", "StagePlan", "MemoryPlan", "plan_memory", "flags_to_fit",
            "ColocatedPlan", "plan_colocated", "colocated_fixes", "check_colocated_fits",
            "model_params", "COLOCATE_RESIDUAL_GIB", "SYNC_BUCKETS", "HOST_PROCESS_GIB", "HostPlan",
            "plan_host", "check_host_fits", "lora_params_per_layer",
-           "lora_activation_bytes_per_token"]
+           "lora_activation_bytes_per_token", "teacher_stage_params"]
 
 GiB = 2**30
 
@@ -58,13 +59,16 @@ class Workload:
     tokens of one micro-batch when it is a pack under a token budget (``--max-tokens-per-gpu``,
     sequences of at most ``seq_length``); None: ``seq_length x --micro-batch-size``.
     ``reference_on_host``: the KL reference's weights live in host memory and are swapped in
-    for its forward (no device bytes; two host copies of the rank's weights).
+    for its forward (no device bytes; two host copies of the rank's weights). ``teacher``: the
+    Qwen3Arch of a Megatron OPD teacher (train/frozen_policy.py): its shards live in host
+    memory and come onto the device for its forward only, beside the trainer's state.
     """
 
     seq_length: int
     fused_loss: bool = True
     tokens: int | None = None
     reference_on_host: bool = False  # a KL reference: a host copy of the weights (reference.py)
+    teacher: Any = None  # a Megatron OPD teacher's Qwen3Arch (train/frozen_policy.py)
 
     def microbatch_tokens(self, cfg: TrainConfig) -> int:
         """Tokens of one micro-batch (before context parallelism slices them)."""
@@ -84,13 +88,16 @@ class StagePlan:
     activations: int  # saved for backward by the in-flight micro-batches
     logits_loss: int  # transient: logits and loss of one micro-batch (last stage)
     backward_working: int  # transient: gradients while one layer's backward runs
+    teacher: int = 0  # a Megatron OPD teacher's weights, on the device for its forward only
 
     @property
     def total(self) -> int:
-        """Peak bytes: state and saved activations, plus the larger transient (the logits
-        are freed before the layers' backward starts)."""
-        return (self.params + self.grads + self.optimizer + self.activations +
-                max(self.logits_loss, self.backward_working))
+        """Peak bytes: state, plus the larger phase: training (saved activations and the
+        larger transient; the logits are freed before the layers' backward starts) or the
+        teacher's forward (its weights and one micro-batch's logits)."""
+        return (self.params + self.grads + self.optimizer +
+                max(self.activations + max(self.logits_loss, self.backward_working),
+                    self.teacher + self.logits_loss))
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ class MemoryPlan:
                 "data_parallel_size": self.data_parallel_size,
                 "binding_stage": pk.stage, "in_flight_microbatches": pk.in_flight,
                 "gib": {k: gib(getattr(pk, k)) for k in
-                        ("params", "grads", "optimizer", "activations", "logits_loss", "backward_working", "total")},
+                        ("params", "grads", "optimizer", "activations", "logits_loss", "backward_working", "teacher", "total")},
                 "stage_total_gib": [gib(st.total) for st in self.stages]}
 
 
@@ -383,6 +390,7 @@ def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | No
     # LoRA: a frozen base (no grads, no optimizer state); the adapters, in the parameter
     # dtype, take the state bytes of any parameter (fp32 grads, master copy and Adam m, v)
     lora = bool(getattr(cfg, "lora_rank", 0))
+    teacher = teacher_stage_params(w.teacher, cfg) if w.teacher is not None else None
     stages = []
     for i, layers in enumerate(layout.stage_layers):
         experts = int(layers * expert_params_per_layer(arch, cfg))
@@ -405,10 +413,20 @@ def plan_memory(arch, cfg: TrainConfig, world_size: int, workload: Workload | No
             grads=int(grads), optimizer=int(optimizer),
             activations=saved,
             logits_loss=_logits_loss_bytes(arch, cfg, w) if i == pp - 1 else 0,
-            backward_working=working))
+            backward_working=working,
+            teacher=int(teacher[i] * p_b) if teacher else 0))
     return MemoryPlan(stages=tuple(stages), seq_length=w.seq_length,
                       micro_batch_size=cfg.micro_batch_size, num_microbatches=m,
                       data_parallel_size=dp)
+
+
+def teacher_stage_params(arch, cfg: TrainConfig) -> list[int]:
+    """Per pipeline stage, the parameters of one rank's shards of a frozen model of ``arch``
+    built at ``cfg``'s layout (the Megatron OPD teacher, train/frozen_policy.py)."""
+    t, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    layers = PipelineLayout.from_config(arch.num_layers, cfg).stage_layers
+    return [_stage_params(arch, t, pp, i, n) + int(n * expert_params_per_layer(arch, cfg))
+            for i, n in enumerate(layers)]
 
 
 # Memory flags, each with the config change it stands for, in the anchors' order of preference.
@@ -538,7 +556,8 @@ HOST_PROCESS_GIB = 4.0
 class HostPlan:
     """Host bytes per node: ``pinned_per_rank`` -- the colocated trainer's offload arenas
     (parameters, gradients, optimizer state: train/offload.py pins exactly that) and the KL
-    reference's two weight copies (train/reference.py) -- and each process's own
+    reference's two weight copies (train/reference.py), a Megatron OPD teacher's weights
+    (train/frozen_policy.py) -- and each process's own
     (:data:`HOST_PROCESS_GIB`), times the ranks on a node."""
 
     ranks_per_node: int
@@ -567,12 +586,13 @@ def plan_host(plan: MemoryPlan, workload: Workload, ranks_per_node: int, colocat
               ) -> HostPlan:
     """The host memory per node of a run with the trainer plan ``plan`` (``colocate``: its
     state is offloaded between steps; a KL reference on the host: two copies of the rank's
-    weights)."""
+    weights; a Megatron OPD teacher: its shards)."""
     pinned = 0
     if colocate:
         pinned += plan.peak.params + plan.peak.grads + plan.peak.optimizer
     if workload.reference_on_host:  # the reference's copy and the policy's stash
         pinned += 2 * max(st.params for st in plan.stages)
+    pinned += max(st.teacher for st in plan.stages)
     return HostPlan(ranks_per_node, pinned)
 
 

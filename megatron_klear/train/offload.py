@@ -53,8 +53,10 @@ def trainer_tensors(model_chunks: Iterable[torch.nn.Module], optimizer) -> Itera
             yield p
             if getattr(p, "main_grad", None) is not None:
                 yield p.main_grad
-        for buf in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
-            yield from (t for t in (buf.param_data, buf.grad_data) if t is not None)
+        for name in ("buffers", "expert_parallel_buffers"):  # megatron DDP's bucket buffers
+            bufs = getattr(chunk, name, None)  # (a bare module's ``buffers`` is a method)
+            for buf in bufs if isinstance(bufs, list) else ():
+                yield from (t for t in (buf.param_data, buf.grad_data) if t is not None)
     if optimizer is None:
         return
     for opt in _leaf_optimizers(optimizer):
@@ -114,9 +116,10 @@ class TrainerOffload:
         """True while any group is offloaded."""
         return bool(self._host)
 
-    def offload(self, group: str | None = None) -> float:
+    def offload(self, group: str | None = None, *, unchanged: bool = False) -> float:
         """Copy the storages of ``group`` (default: every group still on the device) to host
-        memory and free them on the device; seconds taken."""
+        memory and free them on the device; seconds taken. ``unchanged``: they hold the bytes
+        the last onload brought (a frozen model's weights), so only free them."""
         groups = [group] if group else [g for g in GROUPS if g not in self._host]
         if any(g not in GROUPS or g in self._host for g in groups):
             raise RuntimeError(f"offload({group!r}): expected one of {GROUPS} still on the "
@@ -124,9 +127,13 @@ class TrainerOffload:
         start = time.perf_counter()
         self._scan()
         for g in groups:
+            if unchanged and g not in self._arenas:
+                raise RuntimeError(f"offload({g!r}, unchanged=True): never offloaded before, "
+                                   "so the host holds no copy")
             host = self._slices(g)
             for storage, h in zip(self.storages[g], host):
-                h.copy_(self._bytes(storage))
+                if not unchanged:
+                    h.copy_(self._bytes(storage))
             for storage in self.storages[g]:
                 storage.resize_(0)
             self._host[g] = host

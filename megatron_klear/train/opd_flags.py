@@ -3,11 +3,12 @@ own samples, and its per-token log-probs become a dense advantage (algo/opd.py).
 
 ``--use-opd`` turns it on, ``--opd-kl-coef`` is lambda. ``--opd-type sglang``: a served
 teacher (SGLang, or an embedded server) at ``--opd-teacher-urls``, scored by
-rollout/orchestration/teacher.py. ``--opd-type megatron`` (a checkpoint teacher at
-``--opd-teacher-load``) is refused as not implemented yet. Pure distillation is ``--reward
+rollout/orchestration/teacher.py. ``--opd-type megatron``: a checkpoint teacher at
+``--opd-teacher-load``, run by the trainer (train/frozen_policy.py). Pure distillation is ``--reward
 none`` (every reward 0, so the group advantage is 0 and only the teacher's term trains). Up
 front, in the dry run as in a real run: each teacher URL answers, and serves a model whose
-tokenizer is the student's.
+tokenizer is the student's; a teacher checkpoint exists, splits at the student's layout and
+has the student's vocabulary.
 
 Top-k and several teachers (served teachers only): ``--opd-top-k K`` has the teacher return
 its K most likely tokens per response position, and the loss adds lambda x the reverse KL over
@@ -26,7 +27,8 @@ from typing import Any
 
 from megatron_klear.config import ConfigError, Section, opt
 
-__all__ = ["OPDFlags", "check_teacher_routes", "check_teacher_tokenizer", "parse_teachers"]
+__all__ = ["OPDFlags", "check_megatron_teacher", "check_teacher_routes",
+           "check_teacher_tokenizer", "parse_teachers", "vocab_difference"]
 
 _TEACHER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -40,15 +42,16 @@ class OPDFlags(Section):
                         "--opd-kl-coef x (student - teacher log-prob); with --reward none, "
                         "pure distillation (docs/opd.md)")
     opd_type: str = opt("sglang", "the teacher: sglang = served (SGLang or an embedded server "
-                        "at --opd-teacher-urls), megatron = a checkpoint (--opd-teacher-load; "
-                        "not implemented yet)", choices=("sglang", "megatron"))
+                        "at --opd-teacher-urls), megatron = a checkpoint run by the trainer "
+                        "(--opd-teacher-load)", choices=("sglang", "megatron"))
     opd_kl_coef: float = opt(1.0, "lambda: the weight of the per-token reverse KL in the "
                              "advantage")
     opd_teacher_urls: list[str] | None = opt(None, "with --opd-type sglang: the teacher "
                                              "servers' base URLs (its tokenizer must be the "
                                              "student's)")
     opd_teacher_load: str | None = opt(None, "with --opd-type megatron: the teacher's "
-                                       "checkpoint dir")
+                                       "Megatron checkpoint (or HF dir); any size whose "
+                                       "vocabulary is the student's")
     opd_teacher_temperature: float = opt(1.0, "temperature of the teacher's log-probs (a "
                                          "served teacher scores at 1 only: SGLang's input "
                                          "log-probs ignore temperature)")
@@ -124,18 +127,14 @@ class OPDFlags(Section):
                               "takes one per response: use another --loss-type")
 
     def check_inputs_section(self, model: Any) -> None:
-        """The teacher exists: its checkpoint dir (megatron, then refused as not built yet),
-        or each URL answers /model_info and serves the student's tokenizer."""
+        """The teacher exists and shares the student's vocabulary: its checkpoint
+        (:func:`check_megatron_teacher`), or each URL answers /model_info and serves the
+        student's tokenizer."""
         if not self.use_opd:
             return
         if self.opd_type == "megatron":
-            if not Path(self.opd_teacher_load).is_dir():
-                raise ConfigError(f"--opd-teacher-load {self.opd_teacher_load}: no such "
-                                  "directory (the teacher's checkpoint)")
-            raise ConfigError("--opd-type megatron (a checkpoint teacher) is not implemented "
-                              "yet: serve the teacher (SGLang, or python -m "
-                              "megatron_klear.rollout.engine) and use --opd-type sglang "
-                              "--opd-teacher-urls URL")
+            check_megatron_teacher(self, model)
+            return
         from megatron_klear.rollout.orchestration.client import RolloutClient, RolloutError
 
         for url in (u for urls in self.teachers().values() for u in urls):
@@ -187,22 +186,77 @@ def check_teacher_routes(path: str, key: str, teachers: dict[str, list[str]]) ->
                               "fix the record or add that teacher")
 
 
+# --- the Megatron teacher (--opd-type megatron) ------------------------------------------
+def check_megatron_teacher(cfg: Any, student: Any) -> None:
+    """ConfigError naming --opd-teacher-load unless it is a Megatron checkpoint (or HF dir)
+    that splits at the student's TP/PP into as many model chunks, whose padded vocabulary is
+    the student's (``student``: its Qwen3Arch, None in a dry run without the model) and
+    whose recorded tokenizer, when it records one on this machine, is the student's token for
+    token: the teacher's log-probs must be over the student's token ids."""
+    from megatron_klear.models.pipeline_layout import PipelineLayout
+    from megatron_klear.models.qwen3 import check_parallel_layout, padded_vocab_size, \
+        qwen3_config_from_hf
+    from megatron_klear.train.frozen_policy import source_hf_config, source_tokenizer
+
+    flag, src = "--opd-teacher-load", cfg.opd_teacher_load
+    if not Path(src).is_dir():
+        raise ConfigError(f"{flag} {src}: no such directory (the teacher's checkpoint)")
+    teacher = qwen3_config_from_hf(source_hf_config(src, flag))
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    try:
+        layout = check_parallel_layout(teacher, tp, pp,
+                                       PipelineLayout.from_config(teacher.num_layers, cfg))
+    except ConfigError as e:
+        raise ConfigError(f"{flag} {src}: the teacher ({teacher.num_layers} layers) does not "
+                          f"split at the student's layout: {e}") from None
+    if student is None:
+        return
+    chunks = PipelineLayout.from_config(student.num_layers, cfg).num_model_chunks
+    if layout.num_model_chunks != chunks:
+        raise ConfigError(f"{flag} {src}: the teacher's {teacher.num_layers} layers make "
+                          f"{layout.num_model_chunks} model chunks per stage, the student's "
+                          f"{chunks}; drop --num-layers-per-virtual-pipeline-stage")
+    mine, theirs = padded_vocab_size(student.vocab_size, tp), padded_vocab_size(
+        teacher.vocab_size, tp)
+    if mine != theirs:
+        raise ConfigError(f"{flag} {src}: the teacher's padded vocabulary {theirs} (vocab_size "
+                          f"{teacher.vocab_size}) is not the student's (--hf-checkpoint "
+                          f"{cfg.hf_checkpoint}: {mine}, vocab_size {student.vocab_size}): the "
+                          "teacher must share the student's tokenizer")
+    tokenizer = source_tokenizer(src)
+    if tokenizer and Path(tokenizer).is_dir():
+        differ = vocab_difference(tokenizer, cfg.hf_checkpoint)
+        if differ:
+            raise ConfigError(f"{flag} {src}: its tokenizer {tokenizer} ({differ}) is not the "
+                              f"student's --hf-checkpoint {cfg.hf_checkpoint}: the teacher "
+                              "must share the student's tokenizer")
+
+
+def vocab_difference(teacher_dir: str, student_dir: str) -> str:
+    """'' when the two dirs' tokenizers have the same vocabulary token for token, else how
+    they differ (both sizes and the count of differing entries)."""
+    from transformers import AutoTokenizer
+
+    teacher = AutoTokenizer.from_pretrained(teacher_dir).get_vocab()
+    student = AutoTokenizer.from_pretrained(student_dir).get_vocab()
+    if teacher == student:
+        return ""
+    differ = len(set(teacher.items()) ^ set(student.items()))
+    return f"{len(teacher)} tokens vs {len(student)}; {differ} entries differ"
+
+
+# --- the served teacher (--opd-type sglang) -----------------------------------------------
 def check_teacher_tokenizer(url: str, teacher_dir: str | None, student_dir: str) -> None:
     """ConfigError naming both unless the teacher's tokenizer (its server's /model_info
     ``tokenizer_path``, a directory on this machine) has the student's vocabulary, token for
     token: distillation compares the two models' log-probs of the same token ids."""
-    from transformers import AutoTokenizer
-
     if not teacher_dir or not Path(teacher_dir).is_dir():
         raise ConfigError(f"--opd-teacher-urls {url}: its tokenizer_path {teacher_dir!r} "
                           f"(GET /model_info) is not a directory on this machine, so its "
                           f"tokenizer cannot be checked against --hf-checkpoint {student_dir}; "
                           "serve the teacher from a path this machine also sees")
-    teacher = AutoTokenizer.from_pretrained(teacher_dir).get_vocab()
-    student = AutoTokenizer.from_pretrained(student_dir).get_vocab()
-    if teacher != student:
-        differ = len(set(teacher.items()) ^ set(student.items()))
+    differ = vocab_difference(teacher_dir, student_dir)
+    if differ:
         raise ConfigError(f"--opd-teacher-urls {url} serves {teacher_dir}, whose tokenizer "
-                          f"({len(teacher)} tokens) is not the student's --hf-checkpoint "
-                          f"{student_dir} ({len(student)} tokens; {differ} entries differ): "
+                          f"({differ}) is not the student's --hf-checkpoint {student_dir}: "
                           "the teacher must share the student's tokenizer")

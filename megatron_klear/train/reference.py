@@ -1,4 +1,5 @@
-"""The frozen reference policy of the KL term, kept in host memory.
+"""The frozen reference policy of the KL term, kept in host memory (the other frozen policy,
+the Megatron teacher of on-policy distillation, is train/frozen_policy.py's).
 
 Its weights are a CPU copy of this rank's shards of the model (same TP/PP layout), taken once
 from ``--ref-load`` (a Megatron checkpoint or a Hugging Face dir; default ``--hf-checkpoint``).
@@ -17,15 +18,14 @@ off for the reference forward (``models.lora.adapters_disabled``), with no copy 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from megatron_klear import platform
-from megatron_klear.checkpoint.state import CheckpointError
 from megatron_klear.config import ConfigError
 from megatron_klear.models.lora import adapters_disabled, has_lora
+from megatron_klear.train.frozen_policy import load_frozen_weights
 
 __all__ = ["ReferencePolicy"]
 
@@ -47,7 +47,7 @@ class ReferencePolicy:
             return
         self._policy = self._host_buffers()  # the policy's weights while swapped out
         self._store(self._policy)
-        self._load(source)
+        load_frozen_weights(self.engine.model, self.engine.arch, source, "--ref-load")
         self.weights = self._host_buffers()
         self._store(self.weights)
         self._copy_in(self._policy)
@@ -73,17 +73,6 @@ class ReferencePolicy:
         with torch.no_grad():
             for p, w in zip(_params(self.engine), weights):
                 p.copy_(w, non_blocking=True)
-
-    def _load(self, source: str) -> None:
-        from megatron_klear.checkpoint.hf_bridge import load_hf_weights
-        from megatron_klear.checkpoint.hf_io import SafetensorsReader
-        from megatron_klear.checkpoint.state import load_checkpoint
-
-        if (Path(source) / "config.json").is_file() and any(Path(source).glob("*.safetensors")):
-            load_hf_weights(self.engine.model, self.engine.arch, SafetensorsReader(source))
-        elif load_checkpoint(source, self.engine.model, load_rng=False) is None:
-            raise CheckpointError(f"--ref-load {source}: neither a Hugging Face model dir "
-                                  "(config.json + *.safetensors) nor a checkpoint dir")
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:

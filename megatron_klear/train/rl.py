@@ -30,6 +30,7 @@ from megatron_klear.samples import RolloutBatch
 from megatron_klear.train.async_rollout import RolloutSource
 from megatron_klear.train.colocate import release_launched_engines
 from megatron_klear.train.engine import Engine
+from megatron_klear.train.frozen_policy import FrozenModel, source_hf_config
 from megatron_klear.train.learning_signal import LearningSignalMonitor
 from megatron_klear.train.loop import finish, model_arch, open_log, run_steps, start_run
 from megatron_klear.train.memory import Workload
@@ -57,6 +58,8 @@ def train(cfg: RLConfig) -> list[dict]:
     engine = run.engine
     reference = ReferencePolicy(engine, cfg.ref_load or cfg.hf_checkpoint) \
         if cfg.kl_coef else None
+    teacher = FrozenModel(cfg, cfg.opd_teacher_load, "--opd-teacher-load") \
+        if cfg.use_opd and cfg.opd_type == "megatron" else None
     stream = PromptStream(prompts, cfg.seed, run.position)
     params = cfg.sampling_params(stop_token_ids=[tokenizer.eos_token_id])
     log = open_log(cfg, "rl", run.step)
@@ -73,7 +76,7 @@ def train(cfg: RLConfig) -> list[dict]:
                 first stops a run whose last --max-skipped-steps steps trained nothing."""
                 signal.check()
                 metrics = rl_step(engine, cfg, source, tokenizer, step, reference,
-                                  placement.before_train)
+                                  placement.before_train, teacher)
                 signal.observe(step + 1, metrics)
                 metrics.update(placement.sync_and_probe(
                     str(step + 1), cfg.probe_due(step + 1, first=step == run.step)))
@@ -93,9 +96,10 @@ def train(cfg: RLConfig) -> list[dict]:
 def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStream,
                    params: Any, step: int) -> RolloutSource:
     """The run's batches from ``stream``: collected when a step starts, or with
-    ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py)."""
+    ``--async-rollout`` up to ``--max-staleness`` steps ahead (train/async_rollout.py); a
+    served OPD teacher scores them there (a Megatron one in :func:`train_on_batch`)."""
     teacher = None
-    if cfg.use_opd and torch.distributed.get_rank() == 0:  # rank 0 collects the batches
+    if cfg.use_opd and cfg.opd_type == "sglang" and torch.distributed.get_rank() == 0:
         key = cfg.opd_teacher_key  # several teachers: each prompt's by its record's field
         teacher = TeacherClient(cfg.teachers(), None if key is None else
                                 lambda index: str(stream.prompts[index].meta[key]),
@@ -105,17 +109,19 @@ def rollout_source(cfg: RLConfig, client: Any, tokenizer: Any, stream: PromptStr
                                 prompt_limit=(cfg.rollout_max_prompt_len, cfg.truncate_prompt),
                                 remote=cfg.remote_reward(), overlong=cfg.overlong_shaping(),
                                 stages=cfg.rollout_stages, multi_turn=cfg.multi_turn_config(
-                                    cfg.rollout_max_response_len), teacher=teacher)
+                                    cfg.rollout_max_response_len), teacher=teacher,
+                                opd=cfg.use_opd)
     return RolloutSource(collect, stream, ahead=cfg.max_staleness if cfg.async_rollout else 0,
                          last_step=cfg.train_iters, version=step)
 
 
 def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any,
             step: int, reference: ReferencePolicy | None = None,
-            before_train: Callable[[], dict] | None = None) -> dict:
+            before_train: Callable[[], dict] | None = None,
+            teacher: FrozenModel | None = None) -> dict:
     """Take step ``step``'s batch on rank 0 (generated now or ahead), share it, train on it;
     ``before_train()`` (the placement's: colocated, the hand-over of the GPUs) runs before
-    training and returns metrics."""
+    training and returns metrics; ``teacher``: the Megatron OPD teacher."""
     t0 = time.time()
     got = source.next(step) if torch.distributed.get_rank() == 0 else None
     batch, cursor, version = broadcast_batch(
@@ -133,14 +139,16 @@ def rl_step(engine: Engine, cfg: RLConfig, source: RolloutSource, tokenizer: Any
     shape_routed_experts(batch, engine.arch.num_layers, engine.arch.num_experts_per_tok)
     if before_train is not None:
         metrics.update(before_train())
-    metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id, reference))
+    metrics.update(train_on_batch(engine, cfg, batch, tokenizer.pad_token_id, reference,
+                                  teacher))
     return metrics
 
 
 def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: int,
-                   reference: ReferencePolicy | None = None) -> dict:
-    """Old (and reference) log-probs, then one optimizer step per mini-batch; returns
-    averaged metrics."""
+                   reference: ReferencePolicy | None = None,
+                   teacher: FrozenModel | None = None) -> dict:
+    """Old (and reference, and a Megatron teacher's) log-probs, then one optimizer step per
+    mini-batch; returns averaged metrics."""
     vocab = engine.arch.vocab_size
     per_mini = cfg.mini_batch_size * batch.group_size
     minis = [list(range(s, min(s + per_mini, len(batch)))) for s in range(0, len(batch), per_mini)]
@@ -156,6 +164,8 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
             old_logprobs(engine, [mb for mbs in mbs_per_mini for mb in mbs], vocab,
                          cfg.rollout_temperature, key="ref_logprobs", entropy_key=None)
     t_ref = time.time() - t0
+    t_teacher = teacher_logprobs(teacher, [mb for mbs in mbs_per_mini for mb in mbs],
+                                 cfg.opd_teacher_temperature) if teacher is not None else 0.0
     t0 = time.time()
     # the first mini-batch trains on the policy that sampled: its old log-probs come from its
     # own training forward (policy_loss_fn); the later ones need the pre-update policy
@@ -177,14 +187,36 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     steps = len(minis)
     out = step_means(totals, steps)
     if cfg.use_opd:  # the teacher's share of the advantage, |teacher term| / |whole|
-        teacher, task = out.pop("train/opd_teacher_adv_abs"), out.pop("train/opd_task_adv_abs")
-        out["train/opd_teacher_share"] = teacher / max(teacher + task, 1e-12)
+        by_teacher = out.pop("train/opd_teacher_adv_abs")
+        by_task = out.pop("train/opd_task_adv_abs")
+        out["train/opd_teacher_share"] = by_teacher / max(by_teacher + by_task, 1e-12)
     n_train = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
     if reference is not None:
         out["time/ref_logprob_s"] = t_ref
+    if teacher is not None:
+        out["time/teacher_s"] = t_teacher
     out.update({"time/pack_s": t_pack, "time/old_logprob_s": t_old, "time/train_s": t_train,
                 "train/tokens_per_s": n_train / max(t_train, 1e-9), "train/optimizer_steps": steps})
     return out
+
+
+def teacher_logprobs(teacher: FrozenModel, mbs: list[dict], temperature: float) -> float:
+    """Fill each micro-batch's ``teacher_logprobs`` (the log-prob of each label at
+    ``temperature``) with the Megatron teacher, on the device for this forward only; the
+    seconds taken. The loss turns them into advantages as a served teacher's
+    (algo/rl_objective.py ``token_advantages``). The student's replayed MoE routes stay out
+    of it: the teacher routes its own tokens."""
+    t0 = time.time()
+    routes = [mb.pop("routed_experts", None) for mb in mbs]
+    try:
+        with teacher.resident() as engine:
+            old_logprobs(engine, mbs, engine.arch.vocab_size, temperature,
+                         key="teacher_logprobs", entropy_key=None)
+    finally:
+        for mb, r in zip(mbs, routes):
+            if r is not None:
+                mb["routed_experts"] = r
+    return time.time() - t0
 
 
 def trainable_groups(cfg: RLConfig, groups: int, dp: int) -> int:
@@ -222,10 +254,15 @@ def memory_workload(cfg: RLConfig) -> Workload:
     """What the RL trainer feeds the model (the dry run's memory plan): THD packs of
     ``--max-tokens-per-gpu`` tokens, by default ``--micro-batch-size`` prompt + response rows,
     under the fused policy loss unless --loss-backend torch; with --kl-coef, the
-    reference's weights in host memory."""
+    reference's weights in host memory; with --opd-type megatron, the teacher's model."""
+    from megatron_klear.models.qwen3 import qwen3_config_from_hf
+
+    teacher = qwen3_config_from_hf(source_hf_config(cfg.opd_teacher_load, "--opd-teacher-load")) \
+        if cfg.use_opd and cfg.opd_type == "megatron" else None
     return Workload(cfg.rollout_max_prompt_len + cfg.rollout_max_response_len,
                     fused_loss=cfg.loss_backend != "torch",
-                    tokens=cfg.max_tokens_per_gpu, reference_on_host=cfg.kl_coef > 0)
+                    tokens=cfg.max_tokens_per_gpu, reference_on_host=cfg.kl_coef > 0,
+                    teacher=teacher)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -267,3 +267,31 @@ def test_config_imports_nothing_from_models():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert ast.literal_eval(out) == ["megatron_klear.config"]
+
+
+def test_megatron_opd_teacher_in_the_plan():
+    """--opd-type megatron: the teacher's shards at the student's layout, in bf16, are on the
+    device beside the trainer's state during its forward (a phase of their own, with one
+    micro-batch's logits) and in the host plan. A teacher of the student's own architecture
+    holds exactly the student's parameter bytes; Qwen3-32B at TP4 about 32.8e9 x 2 / 4."""
+    from megatron_klear.models.qwen3 import load_hf_config
+    from megatron_klear.train.memory import Workload, plan_host
+
+    def load(name):
+        return qwen3_config_from_hf(load_hf_config(f"examples/{name}/hf_config"))
+
+    student = load("klear_8b")
+    cfg = TrainConfig(tensor_model_parallel_size=4, bf16=True, seq_length=1024,
+                      global_batch_size=8, transformer_impl="transformer_engine")
+    alone = plan_memory(student, cfg, 8, Workload(1024))
+    same = plan_memory(student, cfg, 8, Workload(1024, teacher=student)).peak
+    assert same.teacher == alone.peak.params and same.teacher > 0
+    big = plan_memory(student, cfg, 8, Workload(1024, teacher=load("qwen3_32b"))).peak
+    assert 15e9 < big.teacher < 17.5e9
+    assert big.total == big.params + big.grads + big.optimizer + max(
+        big.activations + max(big.logits_loss, big.backward_working),
+        big.teacher + big.logits_loss) > alone.total
+    host = plan_host(plan_memory(student, cfg, 8, Workload(1024, teacher=load("qwen3_32b"))),
+                     Workload(1024), 8, False)
+    assert host.pinned_per_rank - plan_host(alone, Workload(1024), 8, False).pinned_per_rank \
+        == big.teacher

@@ -1,12 +1,14 @@
 """On-policy distillation (issue 54): the served teacher's per-token log-probs, the trainer's
-advantage against a hand computation from transformers, a real ``klear-rl --use-opd`` run,
-and the up-front checks (exit 2 with one line, dry run and real run alike).
+advantage against a hand computation from transformers (served teacher and Megatron teacher,
+TP 1 and 2), a real ``klear-rl --use-opd`` run with each, and the up-front checks (exit 2
+with one line, dry run and real run alike; the dry run's memory plan of the teacher).
 
-The teacher is an embedded server over a tiny Qwen3 of another size (3 layers, a wider MLP)
-with the student's tokenizer; a second, smaller teacher (the student's size, other weights)
-is the other teacher of the several-teachers checks; a third one has a tokenizer with one more
-token. The top-k KL term is checked against a hand computation from transformers' full
-student and teacher distributions at TP=2 (the vocabulary split over two ranks).
+The teacher is a tiny Qwen3 of another size (3 layers, a wider MLP) with the student's
+tokenizer: served by an embedded server, or converted to a Megatron checkpoint. A second,
+smaller teacher (the student's size, other weights) is the other teacher of the
+several-teachers checks; one more has a tokenizer with one more token, another a larger
+vocabulary. The top-k KL term is checked against a hand computation from transformers'
+full student and teacher distributions at TP=2 (the vocabulary split over two ranks).
 """
 
 import json
@@ -37,7 +39,22 @@ def models(tmp_path_factory):
     tok = build_tokenizer()
     tok.add_tokens(["<extra>"])
     tok.save_pretrained(str(other))
-    return {"dir": d, "student": student, "teacher": teacher, "small": small, "other": other}
+    wide = save_tiny_hf_model(d / "wide_vocab", seed=7, vocab_size=400)
+    return {"dir": d, "student": student, "teacher": teacher, "small": small, "other": other,
+            "wide": wide}
+
+
+def _convert(rank, world, hf, out):
+    from megatron_klear.checkpoint.convert import convert_hf_to_megatron
+
+    return str(convert_hf_to_megatron(hf, out, dtype="fp32"))
+
+
+@pytest.fixture(scope="module")
+def teacher_ckpt(models):
+    """The teacher as a Megatron checkpoint (converted at TP 1; loads at any TP)."""
+    (path,) = run_distributed(_convert, 1, str(models["teacher"]), str(models["dir"] / "t_mg"))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -236,10 +253,24 @@ def test_topk_kl_term_matches_hand_computation_tp2(models, servers):
     assert kl_sum > 0.05 and full.grad.abs().max() > 1e-4  # the term is not noise
 
 
-def _advantage_step(rank, world, student, url):
-    """The trainer's per-token advantages on a fixed batch: teacher log-probs from the served
-    teacher, old log-probs from the Megatron student (the trainer's recompute), then
-    ``token_advantages`` as the loss calls it; plain, and under a rollout correction."""
+def _opd_batch():
+    """The fixed batch of the advantage tests: one masked tool span, engine log-probs."""
+    batch = fixed_rollout_batch([1.0, 0.0, 0.0, 1.0], seed=3)
+    batch.loss_masks = [[1] * len(r) for r in batch.response_ids]
+    batch.loss_masks[1][2:4] = [0, 0]  # a tool response inside sample 1: no advantage
+    batch.rollout_logprobs = [[-0.1 * (j + 1) for j in range(len(r))]
+                              for r in batch.response_ids]
+    return batch
+
+
+def _advantage_step(rank, world, student, url, teacher_ckpt):
+    """The trainer's per-token advantages on a fixed batch at TP ``world``: old log-probs from
+    the Megatron student (the trainer's recompute), teacher log-probs from the served teacher
+    at ``url`` (if any; then plain, and under a rollout correction) and from the Megatron
+    teacher of ``teacher_ckpt`` (the trainer's ``teacher_logprobs``), then
+    ``token_advantages`` as the loss calls it."""
+    import copy
+
     from megatron_klear.algo.rl_objective import old_logprobs, token_advantages
     from megatron_klear.algo.rollout_correction import RolloutCorrection
     from megatron_klear.checkpoint.convert import SafetensorsReader
@@ -248,37 +279,44 @@ def _advantage_step(rank, world, student, url):
     from megatron_klear.models.qwen3 import load_hf_config, qwen3_config_from_hf
     from megatron_klear.rollout.orchestration.teacher import TeacherClient
     from megatron_klear.train.engine import build_engine
-    from megatron_klear.train.rl import RLConfig
+    from megatron_klear.train.frozen_policy import FrozenModel
+    from megatron_klear.train.rl import RLConfig, teacher_logprobs
 
-    batch = fixed_rollout_batch([1.0, 0.0, 0.0, 1.0], seed=3)
-    batch.loss_masks = [[1] * len(r) for r in batch.response_ids]
-    batch.loss_masks[1][2:4] = [0, 0]  # a tool response inside sample 1: no advantage
-    batch.rollout_logprobs = [[-0.1 * (j + 1) for j in range(len(r))]
-                              for r in batch.response_ids]
-    batch.teacher_logprobs = TeacherClient([url]).logprobs(
-        list(zip(batch.prompt_ids, batch.response_ids)))
+    batch = _opd_batch()
     cfg = RLConfig(hf_checkpoint=str(student), prompt_data="unused", mini_batch_size=2,
-                   rollout_batch_size=2, n_samples_per_prompt=2, micro_batch_size=4)
+                   rollout_batch_size=2, n_samples_per_prompt=2, micro_batch_size=4,
+                   tensor_model_parallel_size=world)
     arch = qwen3_config_from_hf(load_hf_config(student))
     engine = build_engine(cfg, arch, with_optimizer=False)
     load_hf_weights(engine.model, arch, SafetensorsReader(student))
     seq_len = max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)) - 1
-    mbs = pad_microbatches(batch, list(range(4)), 4, 0, seq_len)
+    out = {"batch": batch}
+    if url:
+        served = copy.copy(batch)
+        served.teacher_logprobs = TeacherClient([url]).logprobs(
+            list(zip(batch.prompt_ids, batch.response_ids)))
+        (mb,) = mbs = pad_microbatches(served, list(range(4)), 4, 0, seq_len)
+        old_logprobs(engine, mbs, arch.vocab_size, 1.0)
+        out["plain"], _ = token_advantages(mb, None, LAMBDA)
+        out["corrected"], _ = token_advantages(mb, RolloutCorrection("tis", "token", 1.5),
+                                               LAMBDA)
+        out["old"] = mb["old_logprobs"]
+    teacher = FrozenModel(cfg, teacher_ckpt, "--opd-teacher-load")
+    (mb,) = mbs = pad_microbatches(batch, list(range(4)), 4, 0, seq_len)  # no served field
     old_logprobs(engine, mbs, arch.vocab_size, 1.0)
-    (mb,) = mbs
-    plain, _ = token_advantages(mb, None, LAMBDA)
-    corrected, _ = token_advantages(mb, RolloutCorrection("tis", "token", 1.5), LAMBDA)
-    return {"plain": plain, "corrected": corrected, "old": mb["old_logprobs"],
-            "batch": batch}
+    teacher_logprobs(teacher, mbs, 1.0)
+    out["megatron"], _ = token_advantages(mb, None, LAMBDA)
+    params = [p for chunk in teacher.engine.model for p in chunk.parameters()]
+    out["teacher_layers"] = teacher.engine.arch.num_layers
+    out["teacher_offloaded"] = all(p.untyped_storage().nbytes() == 0 for p in params)
+    out["teacher_host_bytes"] = teacher.nbytes
+    out["teacher_no_grads"] = not any(p.requires_grad or p.grad is not None for p in params)
+    return out
 
 
-def test_trainer_advantage_matches_hand_computation(models, servers):
-    """A_t = A_task - lambda (log pi_student - log pi_teacher) per trained token, by hand from
-    transformers' student and teacher log-probs; a masked (tool) token keeps A_task only;
-    under a rollout correction the student's log-prob is the engine's, times the TIS
-    weight min(exp(old - rollout), cap)."""
-    (out,) = run_distributed(_advantage_step, 1, str(models["student"]), servers["teacher"])
-    batch = out["batch"]
+def _hand(models, batch):
+    """Per sample: its response columns, and A_task - lambda (student - teacher) x mask by hand
+    from transformers' student and teacher log-probs (with both log-probs and the mask)."""
     hs, _ = load_reference(models["student"])
     ht, _ = load_reference(models["teacher"])
     for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
@@ -286,8 +324,30 @@ def test_trainer_advantage_matches_hand_computation(models, servers):
         student = reference_logprobs(hs, p + r)[-len(r):]
         teacher = reference_logprobs(ht, p + r)[-len(r):]
         mask = torch.tensor(batch.loss_masks[i], dtype=torch.float32)
+        want = batch.advantages[i] - LAMBDA * (student - teacher) * mask
+        yield i, cols, want, student, teacher, mask
+
+
+def _check_megatron_teacher(out, models, batch):
+    for i, cols, want, *_ in _hand(models, batch):
+        torch.testing.assert_close(out["megatron"][i, cols], want, atol=2e-4, rtol=0)
+    assert out["teacher_layers"] == 3  # the teacher's own size, not the student's 2
+    assert out["teacher_offloaded"] and out["teacher_host_bytes"] > 0  # on the host after use
+    assert out["teacher_no_grads"]
+
+
+def test_trainer_advantage_matches_hand_computation(models, servers, teacher_ckpt):
+    """A_t = A_task - lambda (log pi_student - log pi_teacher) per trained token, by hand from
+    transformers' student and teacher log-probs, with the served teacher and with the
+    Megatron teacher (its checkpoint; another size; offloaded to the host after its forward);
+    a masked (tool) token keeps A_task only; under a rollout correction the student's
+    log-prob is the engine's, times the TIS weight min(exp(old - rollout), cap)."""
+    (out,) = run_distributed(_advantage_step, 1, str(models["student"]), servers["teacher"],
+                             teacher_ckpt)
+    batch = out["batch"]
+    _check_megatron_teacher(out, models, batch)
+    for i, cols, want, student, teacher, mask in _hand(models, batch):
         task = batch.advantages[i]
-        want = task - LAMBDA * (student - teacher) * mask
         torch.testing.assert_close(out["plain"][i, cols], want, atol=2e-4, rtol=0)
         engine = torch.tensor(batch.rollout_logprobs[i])
         weight = torch.clamp(torch.exp(out["old"][i, cols] - engine), max=1.5)
@@ -299,6 +359,13 @@ def test_trainer_advantage_matches_hand_computation(models, servers):
         batch.advantages[1])  # the masked tool token: A_task only
 
 
+def test_megatron_teacher_advantage_at_tp2(models, teacher_ckpt):
+    """The Megatron teacher at TP 2 (student and teacher split over two ranks, the teacher's
+    TP-1 checkpoint resharded): the same hand-computed advantages."""
+    out = run_distributed(_advantage_step, 2, str(models["student"]), None, teacher_ckpt)[0]
+    _check_megatron_teacher(out, models, out["batch"])
+
+
 def _rl_train(rank, world, argv):
     from megatron_klear.train.main import load_config
     from megatron_klear.train.rl import RLConfig, train
@@ -306,20 +373,23 @@ def _rl_train(rank, world, argv):
     return train(load_config(RLConfig, argv))
 
 
-def test_pure_distillation_run_logs_the_metrics(models, servers, tmp_path):
-    """``klear-rl --use-opd --reward none`` with two teachers chosen by a prompt field and the
-    top-k KL: every reward 0, so no group has a reward spread, yet none is dropped (each
-    carries the teacher's signal); the whole signal comes from the teachers (the top-k KL
-    term); the step logs reverse KL, the teacher's mean log-prob, its time and each
-    teacher's."""
+@pytest.mark.parametrize("mode", ["served_two_teachers_top_k", "megatron"])
+def test_pure_distillation_run_logs_the_metrics(models, servers, teacher_ckpt, tmp_path, mode):
+    """``klear-rl --use-opd --reward none``, with two served teachers chosen by a prompt field
+    and the top-k KL, or with the Megatron teacher (``--opd-type megatron``): every reward 0,
+    so no group has a reward spread, yet none is dropped (each carries the teacher's signal);
+    the whole signal comes from the teachers; the step logs reverse KL, the teacher's mean
+    log-prob and its time (and each served teacher's)."""
+    served = mode != "megatron"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x",
                                            "teacher": ("big", "small")[i % 2]}) + "\n"
                                for i in range(8)))
+    teacher = (["--opd-teacher-urls", f"big={servers['teacher']}", f"small={servers['small']}",
+                "--opd-teacher-key", "teacher", "--opd-top-k", str(TOP_K)] if served else
+               ["--opd-type", "megatron", "--opd-teacher-load", teacher_ckpt])
     argv = ["--hf-checkpoint", str(models["student"]), "--prompt-data", str(prompts),
-            "--save", str(tmp_path / "ck"), "--reward", "none", "--use-opd",
-            "--opd-teacher-urls", f"big={servers['teacher']}", f"small={servers['small']}",
-            "--opd-teacher-key", "teacher", "--opd-top-k", str(TOP_K),
+            "--save", str(tmp_path / "ck"), "--reward", "none", "--use-opd", *teacher,
             "--opd-kl-coef", str(LAMBDA),
             "--rollout-batch-size", "2", "--mini-batch-size", "2", "--n-samples-per-prompt",
             "2", "--micro-batch-size", "4", "--rollout-max-response-len", "8", "--lr", "1e-3",
@@ -330,10 +400,12 @@ def test_pure_distillation_run_logs_the_metrics(models, servers, tmp_path):
         assert m["rollout/zero_adv_frac"] == 0 and m["rollout/groups_kept"] == 2
         assert m["train/opd_teacher_share"] == pytest.approx(1.0)
         assert m["train/opd_teacher_logprob"] < 0 and math.isfinite(m["train/opd_reverse_kl"])
-        assert m["time/teacher_s"] > 0 and m["train/opd_loss"] > 0
-    for name in ("big", "small"):  # each teacher's time, and both served (the seed's prompts)
-        assert all(m[f"time/teacher_{name}_s"] >= 0 for m in hist)
-        assert any(m[f"time/teacher_{name}_s"] > 0 for m in hist)
+        assert m["time/teacher_s"] > 0
+        assert not served or m["train/opd_loss"] > 0  # the top-k KL term
+    if served:  # each teacher's time, and both served (the seed's prompts)
+        for name in ("big", "small"):
+            assert all(m[f"time/teacher_{name}_s"] >= 0 for m in hist)
+            assert any(m[f"time/teacher_{name}_s"] > 0 for m in hist)
     logged = read_metrics(tmp_path / "ck" / "metrics.jsonl")
     assert all("train/opd_reverse_kl" in m for m in logged)
 
@@ -348,11 +420,13 @@ def _exits_2_with_one_line(argv: list[str], wants: str, capsys) -> None:
         assert exit_info.value.code == 2 and len(lines) == 1 and wants in lines[0], lines
 
 
-def test_bad_teachers_and_flags_exit_2_with_one_line(models, servers, capsys, monkeypatch):
+def test_bad_teachers_and_flags_exit_2_with_one_line(models, servers, teacher_ckpt, capsys,
+                                                     monkeypatch):
     """A teacher with another tokenizer (named with the student), a URL that does not
-    answer, a checkpoint that does not exist, and flags without --use-opd or their teacher:
-    exit 2 with one line in the dry run and the real run; the good teacher passes the dry
-    run (the control)."""
+    answer, a checkpoint that does not exist or is no checkpoint, a teacher checkpoint of
+    another vocabulary or tokenizer (both named), and flags without --use-opd or their
+    teacher: exit 2 with one line in the dry run and the real run; the good teachers pass the
+    dry run (the controls), whose memory plan holds the Megatron teacher."""
     from megatron_klear.distributed import free_port
     from megatron_klear.train import rl
 
@@ -372,14 +446,19 @@ def test_bad_teachers_and_flags_exit_2_with_one_line(models, servers, capsys, mo
         return ["--hf-checkpoint", str(models["student"]), "--prompt-data", str(path),
                 "--use-opd", "--opd-teacher-urls", f"math={servers['teacher']}",
                 f"code={servers['small']}", "--opd-teacher-key", "teacher"]
+    mg = [*base, "--use-opd", "--opd-type", "megatron", "--opd-teacher-load"]
     for argv, wants in [
             ([*opd, servers["other"]], f"serves {models['other']}"),
             ([*opd, servers["other"]], f"--hf-checkpoint {models['student']}"),
             ([*opd, dead], f"--opd-teacher-urls {dead} does not answer"),
             ([*base, "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(missing)],
              f"--opd-teacher-load {missing}: no such directory"),
-            ([*base, "--use-opd", "--opd-type", "megatron", "--opd-teacher-load",
-              str(models["teacher"])], "not implemented yet"),
+            ([*mg, str(models["dir"])], f"--opd-teacher-load {models['dir']}: neither a "
+             "Hugging Face model dir"),
+            ([*mg, str(models["wide"])], f"padded vocabulary 512 (vocab_size 400) is not the "
+             f"student's (--hf-checkpoint {models['student']}: 128, vocab_size 103)"),
+            ([*mg, str(models["other"])], f"its tokenizer {models['other']} (104 tokens vs "
+             f"103; 1 entries differ) is not the student's --hf-checkpoint {models['student']}"),
             ([*base, "--opd-kl-coef", "0.5"], "--opd-kl-coef applies with --use-opd"),
             ([*base, "--reward", "none"], "--reward none"),
             ([*base, "--use-opd"], "--opd-teacher-urls"),
@@ -407,6 +486,9 @@ def test_bad_teachers_and_flags_exit_2_with_one_line(models, servers, capsys, mo
                                       + "\n" for t in ("math", "code")))
     rl.main([*routed(routed_prompts), "--opd-top-k", "4", "--dry-run"])  # two teachers pass
     assert '"dry_run"' in capsys.readouterr().out
+    rl.main([*mg, teacher_ckpt, "--dry-run"])
+    memory = json.loads(capsys.readouterr().out)["dry_run"]["memory"]
+    assert memory["opd_teacher"]["model"] == "3 layers, hidden 64", memory
 
 
 def test_killed_gppo_opd_run_resumes_bitwise(models, servers, tmp_path):
@@ -457,3 +539,4 @@ def test_killed_gppo_opd_run_resumes_bitwise(models, servers, tmp_path):
                     "rollout/reward_mean", "data/prompt_indices"):
             assert got[step][key] == ref[step][key], (step, key)
     assert any(0 < r["train/opd_teacher_share"] < 1 for r in ref.values())
+    assert all(r["time/teacher_s"] > 0 for r in ref.values())
