@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megatron_klear.train.metrics import read_metrics
 from tests.dist import run_distributed
@@ -145,7 +146,9 @@ def _rl_train(rank, world, argv):
 def test_pure_distillation_run_logs_the_metrics(models, servers, tmp_path):
     """``klear-rl --use-opd --reward none``: every reward 0, so no group has a reward spread,
     yet none is dropped (each carries the teacher's signal); the whole advantage comes from
-    the teacher; the step logs reverse KL, the teacher's mean log-prob and time."""
+    the teacher; the step logs reverse KL, the teacher's mean log-prob and time. With
+    ``--export-hf-interval 1`` the model after step 1 is exported beside the final one (the
+    quickstart's --distill curve): a third model, neither the start nor the end."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x"}) + "\n"
                                for i in range(8)))
@@ -154,7 +157,8 @@ def test_pure_distillation_run_logs_the_metrics(models, servers, tmp_path):
             "--opd-teacher-urls", servers["teacher"], "--opd-kl-coef", str(LAMBDA),
             "--rollout-batch-size", "2", "--mini-batch-size", "2", "--n-samples-per-prompt",
             "2", "--micro-batch-size", "4", "--rollout-max-response-len", "8", "--lr", "1e-3",
-            "--train-iters", "2", "--seed", "3", "--no-progress-bar"]
+            "--train-iters", "2", "--seed", "3", "--no-progress-bar",
+            "--export-hf", str(tmp_path / "hf"), "--export-hf-interval", "1"]
     hist = run_distributed(_rl_train, 1, argv, timeout=400)[0]
     assert len(hist) == 2
     for m in hist:
@@ -164,6 +168,10 @@ def test_pure_distillation_run_logs_the_metrics(models, servers, tmp_path):
         assert m["time/teacher_s"] > 0
     logged = read_metrics(tmp_path / "ck" / "metrics.jsonl")
     assert all("train/opd_reverse_kl" in m for m in logged)
+    assert sorted(p.name for p in tmp_path.glob("hf*")) == ["hf", "hf_step1"]
+    start, mid, end = (load_file(d / "model.safetensors")["model.norm.weight"] for d in
+                       (models["student"], tmp_path / "hf_step1", tmp_path / "hf"))
+    assert not torch.equal(mid, start) and not torch.equal(mid, end)
 
 
 def _exits_2_with_one_line(argv: list[str], wants: str, capsys) -> None:
