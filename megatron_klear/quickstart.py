@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -296,11 +297,11 @@ def run_distill(args: argparse.Namespace) -> None:
                "teacher": out / "eval_teacher" / "samples.jsonl"}
     gap, gap_se = paired_gain(samples["student"], samples["teacher"], "arith")
     problems = sum(1 for _ in (out / "data" / "eval.jsonl").open())
+    z = gap / gap_se if gap_se else (math.inf if gap > 0 else 0.0)  # no spread: all or none
     print(f"\nstudent after SFT {student:.3f}, teacher (SFT + {args.teacher_rl_iters} GPPO "
-          f"steps) {teacher:.3f}: gap {gap:+.3f} +- {gap_se:.3f} = "
-          f"{gap / gap_se if gap_se else float('inf'):.1f} standard errors (avg@{args.eval_k}, "
-          f"{problems} held-out problems, paired per problem)", flush=True)
-    if gap_se and gap / gap_se < MIN_TEACHER_GAP_SE or not gap_se and gap <= 0:
+          f"steps) {teacher:.3f}: gap {gap:+.3f} +- {gap_se:.3f} = {z:.1f} standard errors "
+          f"(avg@{args.eval_k}, {problems} held-out problems, paired per problem)", flush=True)
+    if z < MIN_TEACHER_GAP_SE:
         sys.exit(f"quickstart --distill: the teacher is not >= {MIN_TEACHER_GAP_SE:.0f} standard "
                  "errors above the student; raise --teacher-rl-iters")
     todo = [name for name in DISTILL_ARMS if not (out / "arms" / f"{name}.json").exists()]
@@ -323,7 +324,9 @@ def run_distill(args: argparse.Namespace) -> None:
                       "load": runs[name]["load"], "curve": curve,
                       "half_gap": half_gap(student, teacher, curve)}
     summary = {"student_after_sft": student, "teacher": teacher, "teacher_gap": gap,
-               "teacher_gap_se": gap_se, "teacher_rl_seconds": teacher_run["seconds"],
+               "teacher_gap_se": gap_se,
+               "teacher_gap_in_standard_errors": z if math.isfinite(z) else None,
+               "teacher_rl_seconds": teacher_run["seconds"],
                "half_gap_target": student + (teacher - student) / 2, "arms": arms,
                "settings": settings, "opd_kl_coef": 1.0,
                "eval": f"avg@{args.eval_k} at temperature 1.0 on {problems} held-out problems",
@@ -362,7 +365,8 @@ def main() -> None:
     p.add_argument("--rl-iters", type=int, default=40)
     p.add_argument("--rl-lr", type=float, default=2e-4)
     p.add_argument("--eval-k", type=int, default=4)
-    p.add_argument("--dry-run", action="store_true", help="validate both trainer configs, then stop")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the trainer configs (with --distill: all five), then stop")
     p.add_argument("--sglang", action="store_true",
                    help="roll out on a real SGLang server (.venv-sglang), not the embedded one")
     p.add_argument("--colocate", action="store_true",

@@ -5,8 +5,8 @@ restored, with the step and the data position a resumed checkpoint saved
 (:func:`start_run`); the metrics log (:func:`open_log`); the steps, each logged, with a save
 every ``--save-interval`` steps and at the last one, and an HF export every
 ``--export-hf-interval`` steps before the last (:func:`run_steps`); then the log closed and
-the optional HF export of the final model (:func:`finish`). What a step is (a packed SFT batch; a rollout, its
-training and the weight sync) is the trainer's ``take_step``.
+the optional HF export of the final model (:func:`finish`). What a step is (a packed SFT
+batch; a rollout, its training and the weight sync) is the trainer's ``take_step``.
 """
 
 from __future__ import annotations
