@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -151,14 +152,20 @@ def _sglang_server(model: Path, log_dir: Path):
         yield servers.urls[0]
 
 
-def _run_dry(module: str, argv: list[str], label: str = "") -> None:
+def _run_dry(runs: list[tuple[str, list[str], str]]) -> None:
+    """Each ``(module, argv, label)`` trainer's ``--dry-run`` at 2 ranks, side by side (each
+    is one process of imports and arithmetic), reported in order; a rejected config exits
+    with the trainer's error."""
     env = dict(os.environ, WORLD_SIZE="2", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", module, *argv, "--dry-run"], env=env,
-                          capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"quickstart --dry-run: {module}{label} rejected its config:\n"
-                 f"{proc.stderr[-2000:]}")
-    print(f"{module}{label}: config OK (2 ranks, TP=2)")
+    with ThreadPoolExecutor(len(runs)) as pool:
+        procs = list(pool.map(lambda run: subprocess.run(
+            [sys.executable, "-m", run[0], *run[1], "--dry-run"], env=env, capture_output=True,
+            text=True), runs))
+    for (module, _, label), proc in zip(runs, procs):
+        if proc.returncode:
+            sys.exit(f"quickstart --dry-run: {module}{label} rejected its config:\n"
+                     f"{proc.stderr[-2000:]}")
+        print(f"{module}{label}: config OK (2 ranks, TP=2)")
 
 
 @contextlib.contextmanager
@@ -223,11 +230,11 @@ def _dry_run_distill(args: argparse.Namespace) -> None:
         tmp = Path(tmp)
         write_arithmetic_data(tmp / "data", seed=args.seed)
         save_tiny_hf_model(tmp / "sft_hf", seed=args.seed, chat_template=CHAT_TEMPLATE)
-        _run_dry("megatron_klear.train.sft", sft_args(tmp, args))
-        _run_dry("megatron_klear.train.rl", teacher_args(tmp, args), " (teacher)")
         with _teacher_server(tmp / "sft_hf", tmp / "logs") as url:
-            for name in DISTILL_ARMS:
-                _run_dry("megatron_klear.train.rl", arm_args(tmp, name, args, url), f" ({name})")
+            _run_dry([("megatron_klear.train.sft", sft_args(tmp, args), ""),
+                      ("megatron_klear.train.rl", teacher_args(tmp, args), " (teacher)")]
+                     + [("megatron_klear.train.rl", arm_args(tmp, name, args, url), f" ({name})")
+                        for name in DISTILL_ARMS])
 
 
 def _eval_stage(model: Path, out: Path, eval_dir: Path, args: argparse.Namespace) -> float:
@@ -403,9 +410,8 @@ def main() -> None:
     if args.dry_run:  # the data it would train on, written aside: the dry run checks files
         with tempfile.TemporaryDirectory() as tmp:
             write_data(Path(tmp) / "data", seed=args.seed)
-            for module, argv in (("megatron_klear.train.sft", sft_args(Path(tmp), args)),
-                                 ("megatron_klear.train.rl", rl_args(Path(tmp), args))):
-                _run_dry(module, argv)
+            _run_dry([("megatron_klear.train.sft", sft_args(Path(tmp), args), ""),
+                      ("megatron_klear.train.rl", rl_args(Path(tmp), args), "")])
         return
     if out.exists():
         shutil.rmtree(out)

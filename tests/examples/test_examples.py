@@ -133,7 +133,7 @@ def test_quickstart_distill_dry_run(tmp_path):
     asking a served stand-in teacher for its tokenizer) validate; nothing is written."""
     proc = subprocess.run([sys.executable, "-m", "megatron_klear.quickstart", "--dry-run",
                            "--distill", "--out", str(tmp_path / "qs")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("config OK") == 5 and not (tmp_path / "qs").exists()
     for arm in ("(teacher)", "(gppo)", "(opd)", "(gppo+opd)"):
