@@ -13,9 +13,9 @@ over as tensor handles.
 ``--distill``: on-policy distillation (issue 54) against GPPO from one SFT start: a teacher
 (the SFT model after twice the RL steps of GPPO) served by an embedded server, then GPPO
 alone, OPD alone (``--use-opd --reward none``) and GPPO + OPD for ``--rl-iters`` steps each,
-each arm evaluated every ``--distill-eval-interval`` steps; prints the table of
-docs/opd.md (final avg@k paired against GPPO alone, wall time, steps and seconds to close
-half the student-teacher gap) and writes summary.json. Resumable: finished stages are kept.
+each arm evaluated every ``--distill-eval-interval`` steps; prints a table (final avg@k
+paired against GPPO alone, wall time, steps and seconds to close half the student-teacher
+gap; docs/opd.md) and writes summary.json. Resumable: finished stages are kept.
 
 Everything is built locally (model, tokenizer, data); each stage runs the real CLI
 (torchrun klear-sft / klear-rl, klear-eval) as a separate process.
