@@ -138,10 +138,15 @@ class CheckpointFlags(Section):
                                      "state")
     no_load_rng: bool = opt(False, "resume without the checkpoint's RNG states")
     export_hf: str | None = opt(None, "write the final model in Hugging Face format here")
+    export_hf_interval: int = opt(0, "also export every K steps before the last, to "
+                                     "<--export-hf>_step<N> (0: only the final model)")
 
     def validate_section(self) -> None:  # noqa: D102
         _at_least(self, ("keep_last",), 1)
-        _at_least(self, ("save_interval",), 0)
+        _at_least(self, ("save_interval", "export_hf_interval"), 0)
+        if self.export_hf_interval and not self.export_hf:
+            raise ConfigError("--export-hf-interval needs --export-hf DIR (the intermediate "
+                              "models go to DIR_step<N>)")
 
 
 @dataclass

@@ -3,15 +3,17 @@
 A run: the architecture from ``--hf-checkpoint`` (:func:`model_arch`); the engine built and
 restored, with the step and the data position a resumed checkpoint saved
 (:func:`start_run`); the metrics log (:func:`open_log`); the steps, each logged, with a save
-every ``--save-interval`` steps and at the last one (:func:`run_steps`); then the log closed and
-the optional HF export (:func:`finish`). What a step is (a packed SFT batch; a rollout, its
-training and the weight sync) is the trainer's ``take_step``.
+every ``--save-interval`` steps and at the last one, and an HF export every
+``--export-hf-interval`` steps before the last (:func:`run_steps`); then the log closed and
+the optional HF export of the final model (:func:`finish`). What a step is (a packed SFT
+batch; a rollout, its training and the weight sync) is the trainer's ``take_step``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, ContextManager
 
 from megatron_klear.config import TrainConfig
@@ -57,14 +59,29 @@ def save_due(cfg: TrainConfig, step: int) -> bool:
                                bool(cfg.save_interval and step % cfg.save_interval == 0))
 
 
+def interval_export_dir(export_hf: str | Path, step: int) -> Path:
+    """Where ``--export-hf-interval`` puts the model after ``step``: ``<--export-hf>_step<N>``
+    (a sibling of the final export, so evaluating a run's curve needs no checkpoint
+    conversion)."""
+    export_hf = Path(export_hf)
+    return export_hf.with_name(f"{export_hf.name}_step{step}")
+
+
+def export_due(cfg: TrainConfig, step: int) -> bool:
+    """An intermediate HF export follows ``step``: every ``--export-hf-interval`` steps, but
+    not the last (:func:`finish` exports that one to ``--export-hf`` itself)."""
+    return bool(cfg.export_hf and cfg.export_hf_interval and step < cfg.train_iters
+                and step % cfg.export_hf_interval == 0)
+
+
 def run_steps(cfg: TrainConfig, engine: Engine, log: MetricsLogger, step: int,
               take_step: Callable[[int], dict], saved_position: Callable[[dict], dict],
               resident: Callable[[], ContextManager[None]] = contextlib.nullcontext
               ) -> list[dict]:
     """Steps ``step`` .. ``--train-iters`` - 1: ``take_step(step)`` gives a step's metrics,
     which are logged; a due save stores ``saved_position(metrics)`` (the data position) with
-    the checkpoint, inside ``resident()`` (the trainer's state on the device). Returns the
-    steps' metrics."""
+    the checkpoint, and a due export writes the HF model, both inside ``resident()`` (the
+    trainer's state on the device). Returns the steps' metrics."""
     history = []
     freeze_startup_heap()  # model, data and clients stay; full collections skip them
     while step < cfg.train_iters:
@@ -75,6 +92,10 @@ def run_steps(cfg: TrainConfig, engine: Engine, log: MetricsLogger, step: int,
         if save_due(cfg, step):
             with resident():
                 engine.save(step, saved_position(metrics))
+        if export_due(cfg, step):
+            with resident():
+                engine.export_hf(str(interval_export_dir(cfg.export_hf, step)),
+                                 cfg.hf_checkpoint)
     return history
 
 

@@ -128,6 +128,18 @@ def test_quickstart_tools_dry_run(tmp_path):
     assert proc.stdout.count("config OK") == 2 and not (tmp_path / "qs").exists()
 
 
+def test_quickstart_distill_dry_run(tmp_path):
+    """--distill: klear-sft, the teacher's klear-rl and the three arms' klear-rl (the OPD arms
+    asking a served stand-in teacher for its tokenizer) validate; nothing is written."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_klear.quickstart", "--dry-run",
+                           "--distill", "--out", str(tmp_path / "qs")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("config OK") == 5 and not (tmp_path / "qs").exists()
+    for arm in ("(teacher)", "(gppo)", "(opd)", "(gppo+opd)"):
+        assert f"megatron_klear.train.rl {arm}: config OK" in proc.stdout, proc.stdout
+
+
 def _colocate_dry_run(*extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     proc = dry_run(COLOCATE, *extra)  # without extra: test_dry_run_validates_config's run
     return proc, dry_run_report(proc)["dry_run"]

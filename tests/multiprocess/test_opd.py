@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megatron_klear.train.metrics import read_metrics
 from tests.dist import run_distributed
@@ -379,7 +380,9 @@ def test_pure_distillation_run_logs_the_metrics(models, servers, teacher_ckpt, t
     and the top-k KL, or with the Megatron teacher (``--opd-type megatron``): every reward 0,
     so no group has a reward spread, yet none is dropped (each carries the teacher's signal);
     the whole signal comes from the teachers; the step logs reverse KL, the teacher's mean
-    log-prob and its time (and each served teacher's)."""
+    log-prob and its time (and each served teacher's). With ``--export-hf-interval 1`` the model
+    after step 1 is exported beside the final one (the quickstart's --distill curve): a third
+    model, neither the start nor the end."""
     served = mode != "megatron"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}.", "answer": "x",
@@ -393,7 +396,8 @@ def test_pure_distillation_run_logs_the_metrics(models, servers, teacher_ckpt, t
             "--opd-kl-coef", str(LAMBDA),
             "--rollout-batch-size", "2", "--mini-batch-size", "2", "--n-samples-per-prompt",
             "2", "--micro-batch-size", "4", "--rollout-max-response-len", "8", "--lr", "1e-3",
-            "--train-iters", "2", "--seed", "3", "--no-progress-bar"]
+            "--train-iters", "2", "--seed", "3", "--no-progress-bar",
+            "--export-hf", str(tmp_path / "hf"), "--export-hf-interval", "1"]
     hist = run_distributed(_rl_train, 1, argv, timeout=400)[0]
     assert len(hist) == 2
     for m in hist:
@@ -408,6 +412,10 @@ def test_pure_distillation_run_logs_the_metrics(models, servers, teacher_ckpt, t
             assert any(m[f"time/teacher_{name}_s"] > 0 for m in hist)
     logged = read_metrics(tmp_path / "ck" / "metrics.jsonl")
     assert all("train/opd_reverse_kl" in m for m in logged)
+    assert sorted(p.name for p in tmp_path.glob("hf*")) == ["hf", "hf_step1"]
+    start, mid, end = (load_file(next(d.glob("*.safetensors")))["model.norm.weight"] for d in
+                       (models["student"], tmp_path / "hf_step1", tmp_path / "hf"))
+    assert not torch.equal(mid, start) and not torch.equal(mid, end)
 
 
 def _exits_2_with_one_line(argv: list[str], wants: str, capsys) -> None:

@@ -21,6 +21,8 @@ def test_flags_and_yaml(tmp_path):
     (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
     (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size"),
+    (["--export-hf-interval", "10"], "--export-hf-interval needs --export-hf"),
+    (["--export-hf", "x", "--export-hf-interval", "-1"], "--export-hf-interval"),
 ])
 def test_inconsistent_values_name_the_flag(argv, flag):
     with pytest.raises(ConfigError, match=flag):
