@@ -399,7 +399,7 @@ def analyse(out: Path, analysis: Analysis, seeds: Sequence[int]) -> list[dict]:
     return rows
 
 
-def table(analysis: Analysis, rows: list[dict], k: int) -> str:
+def table(analysis: Analysis, rows: list[dict]) -> str:
     """Markdown rows of ``rows`` (the study's table, one analysis)."""
     lines = []
     for r in rows:
@@ -506,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows = analyse(out, analysis, seeds)
         png = plot_curves(out, analysis, seeds, out / analysis.name / "curves.png")
         k = TASKS[analysis.task].eval_k
-        md = table(analysis, rows, k)
+        md = table(analysis, rows)
         write_text(out / analysis.name / "report.json", json.dumps(
             {"claim": analysis.claim, "seeds": seeds, "eval_k": k, "rows": rows,
              "curves": str(png), "seconds_this_invocation": round(time.time() - t, 1)}, indent=1))
