@@ -371,6 +371,23 @@ def _samples(out: Path, seed: int, analysis: Analysis, arm: Arm) -> Path:
     return run_dir(out, seed, analysis, arm) / "eval" / "samples.jsonl"
 
 
+def _metrics_path(out: Path, seed: int, analysis: Analysis, arm: Arm) -> Path:
+    ckpt = "sft_ckpt" if analysis.stage == "sft" else "rl_ckpt"
+    return run_dir(out, seed, analysis, arm) / ckpt / "metrics.jsonl"
+
+
+def _mean_grad_norm(out: Path, analysis: Analysis, arm: Arm, seeds: Sequence[int]
+                    ) -> float | None:
+    """The arm's grad norm, mean over steps and seeds (5.2.1 claims 0.05-0.08 for each
+    loss); None where no metrics were written."""
+    from megatron_klear.train.metrics import read_metrics
+
+    norms = [r["grad_norm"] for s in seeds if _metrics_path(out, s, analysis, arm).exists()
+             for r in read_metrics(_metrics_path(out, s, analysis, arm))
+             if isinstance(r.get("grad_norm"), (int, float))]
+    return statistics.mean(norms) if norms else None
+
+
 def analyse(out: Path, analysis: Analysis, seeds: Sequence[int]) -> list[dict]:
     """One row per (arm, split): avg@k (mean over seeds, and per seed), and for the arms
     but the baseline the paired difference, its SEs and the verdict."""
@@ -386,7 +403,8 @@ def analyse(out: Path, analysis: Analysis, seeds: Sequence[int]) -> list[dict]:
                                                 if keep[s] is None or p in keep[s]))
             row = {"analysis": analysis.name, "arm": arm.name, "split": split,
                    "flags": " ".join(arm.flags).replace("{data}/", ""),
-                   "avg": statistics.mean(per_seed), "avg_per_seed": per_seed}
+                   "avg": statistics.mean(per_seed), "avg_per_seed": per_seed,
+                   "grad_norm": _mean_grad_norm(out, analysis, arm, seeds)}
             if arm is not analysis.baseline:
                 pd = paired_difference([(_samples(out, s, analysis, analysis.baseline),
                                          _samples(out, s, analysis, arm), keep[s])
@@ -410,14 +428,15 @@ def table(analysis: Analysis, rows: list[dict]) -> str:
                   f"{r['se_seeds']:.3f}) | {direction} | **{r['verdict']}**")
         else:
             vs = "baseline | | "
+        norm = "" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
         lines.append(f"| {analysis.name} | {r['arm']} (`{r['flags']}`) | {r['split']} | "
-                     f"{r['avg']:.3f} ({per}) | {vs} |")
+                     f"{r['avg']:.3f} ({per}) | {vs} | {norm} |")
     return "\n".join(lines)
 
 
 TABLE_HEAD = ("| analysis | arm (flags) | held-out split | avg@k, mean over seeds (per seed) | "
-              "arm - baseline +- SE | the paper's direction | verdict |\n"
-              "|---|---|---|---|---|---|---|")
+              "arm - baseline +- SE | the paper's direction | verdict | grad norm |\n"
+              "|---|---|---|---|---|---|---|---|")
 RL_CURVES = ("rollout/reward_mean", "eval/avg@{k}", "train/entropy", "grad_norm")
 SFT_CURVES = ("loss", "grad_norm")
 
@@ -434,11 +453,9 @@ def plot_curves(out: Path, analysis: Analysis, seeds: Sequence[int], png: Path) 
     task = TASKS[analysis.task]
     keys = [k.format(k=task.curve_k) for k in
             (SFT_CURVES if analysis.stage == "sft" else RL_CURVES)]
-    ckpt = "sft_ckpt" if analysis.stage == "sft" else "rl_ckpt"
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
     for arm in analysis.arms:
-        records = [read_metrics(run_dir(out, s, analysis, arm) / ckpt / "metrics.jsonl")
-                   for s in seeds]
+        records = [read_metrics(_metrics_path(out, s, analysis, arm)) for s in seeds]
         for ax, key in zip(axes[0], keys):
             by_step: dict[int, list[float]] = {}
             for recs in records:
