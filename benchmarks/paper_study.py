@@ -42,10 +42,26 @@ seeds of the rollout reward, the periodic held-out accuracy (``--eval-data``, th
 reward: for 5.2.3 the soft arm's curve is a pass rate), entropy and grad norm; SFT: loss and
 grad norm).
 
-Budget (2 quiet cores, default 4 seeds; from the single-arm times measured 2026-12-06, see
-docs/results.md; the machine was shared, so these are upper bounds):
+Budget. Single runs measured 2026-12-06 at baa103c on the 2-core VM while four other sessions
+ran (load average 9-18), train + klear-eval seconds; the quiet column scales them by 1/4, the
+ratio of the quickstart's four stages here (SFT 81 + eval 51 + RL 155 + eval 71 = 358 s)
+to its 90 s pipeline on idle cores (docs/results.md, CPU quickstart):
 
-  TABLE_PLACEHOLDER
+  run (per seed)                         shared, measured     quiet, estimated
+  arith SFT stage (shared) or 5.1.1 arm   81 + 51 s             ~35 s
+  arith RL arm (40 steps x 32 prompts)   155-198 + 61-71 s      ~65 s
+  code SFT stage (shared)                 99 + 113 s            ~55 s
+  code RL arm (16 steps x 8 prompts)     504 + 160 s (load 18)  ~165 s (sandbox-bound)
+
+  analysis at 4 seeds, alone        runs per seed                     quiet, estimated
+  5.2.1                             SFT + 3 RL arms                   ~15 min
+  5.2.2                             SFT + 4 RL arms                   ~20 min
+  5.2.3                             code SFT + 2 code RL arms         ~26 min
+  5.2.5                             SFT + 2 RL arms                   ~11 min
+  5.1.1                             SFT + 1 SFT arm                   ~5 min
+  the study (shared runs once)      2 SFT + 1 SFT arm + 7 RL + 2 code ~60 min
+
+On the shared VM each figure is about 4x (the study: ~4 h), which is why only parts ran here.
 """
 
 from __future__ import annotations
