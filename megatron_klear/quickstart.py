@@ -80,17 +80,19 @@ def tool_flags(tools: bool) -> list[str]:
 
 
 def eval_accuracy(model: Path, data: Path, out: Path, k: int, seed: int,
-                  tools: bool = False) -> float:
+                  tools: bool = False, name: str = "arith", reward: str = "math",
+                  length: int | None = None) -> float:
     """avg@k of ``model`` on the eval set at temperature 1.0 (klear-eval; with ``tools`` the
     model may call the python tool, within the limits of the quickstart's klear-rl
     ``--tools``, and the math reward scores the final answer); its samples are kept in
-    ``out/samples.jsonl`` for :func:`rl_gain`."""
-    length = TOOL_RESPONSE_LEN if tools else 48
+    ``out/samples.jsonl`` for :func:`rl_gain`. ``name``, ``reward`` and ``length`` (new
+    tokens; default the quickstart's) let benchmarks/paper_study.py evaluate its code task."""
+    length = length or (TOOL_RESPONSE_LEN if tools else 48)
     run_logged([sys.executable, "-m", "megatron_klear.eval", "--model", str(model),
-                "--benchmark", f"arith={data}", "--k", str(k), "--temperature", "1.0",
+                "--benchmark", f"{name}={data}@{reward}", "--k", str(k), "--temperature", "1.0",
                 "--max-new-tokens", str(length), "--out-dir", str(out), "--seed", str(seed)]
                + tool_flags(tools), out.with_suffix(".log"))
-    return json.loads((out / "report.json").read_text())["benchmarks"]["arith"][f"avg@{k}"]
+    return json.loads((out / "report.json").read_text())["benchmarks"][name][f"avg@{k}"]
 
 
 def rl_gain(before: Path, after: Path) -> tuple[float, float]:

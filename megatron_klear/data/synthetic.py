@@ -23,6 +23,10 @@ The ``--tools`` quickstart's task (:func:`write_tool_arithmetic_data`, issue 40)
 with two-digit ``a``, ``b``: 8,100 products the tiny model cannot learn to compute, which the
 python tool computes; demonstrations call it, guess, call it wrongly or copy its output
 wrongly (:data:`TOOL_USES`), and RL on the verified final answer keeps what works.
+
+The toy code task of the paper study (:func:`write_code_function_data`, issue 53): infer a
+linear function from two examples and print it for a stdin input, checked on three tests in
+the code sandbox; flawed demonstrations pass some tests, so partial credit exists.
 """
 
 from __future__ import annotations
@@ -141,4 +145,60 @@ def write_tool_arithmetic_data(out_dir: str | Path, *, seed: int = 0, n_sft: int
     for name, chosen in (("rl", (rng.choice(train) for _ in range(n_rl))), ("eval", eval_pairs)):
         write_records(paths[name], ({"prompt": tool_question(a, b), "answer": str(a * b)}
                                     for a, b in chosen))
+    return paths
+
+
+# --------------------------------------------------------------- the toy code task (issue 53)
+# A linear function f(x) = a*x + b shown by two examples, f(0) = b and f(10) = 10a + b (so its
+# digits spell a then b: a copying step the tiny model learns for every function), and a
+# program that reads x from stdin and prints f(x), checked on CODE_TEST_INPUTS. The flawed
+# programs of the SFT data pass some of the tests (:data:`CODE_FLAWS`), so the soft reward (the
+# pass rate) and the hard one (all pass) differ on them: section 5.2.3's partial credit.
+CODE_TEST_INPUTS = (0, 1, 2)
+CODE_FLAWS = (("slope", 0.4),    # a miscopied: right at x=0 only (1 of 3 tests)
+              ("square", 0.4),   # a*x*x+b: right at x=0 and x=1 (2 of 3)
+              ("offset", 0.2))   # b miscopied: no test passes
+
+
+def code_program(a: int, b: int, flaw: str | None = None) -> str:
+    """The program printing ``a*x+b`` for the ``x`` it reads, or its ``flaw`` (:data:`CODE_FLAWS`)."""
+    expr = {None: f"{a}*x+{b}", "slope": f"{a + 1}*x+{b}", "square": f"{a}*x*x+{b}",
+            "offset": f"{a}*x+{b + 1}"}[flaw]
+    return f"x=int(input())\nprint({expr})"
+
+
+def code_function_problem(a: int, b: int, flaw: str | None = None) -> dict:
+    """One problem of the toy code task: the prompt, an SFT response (the program of
+    :func:`code_program` after the reasoning, in a python fence) and the stdin/stdout tests."""
+    prompt = f"f(0)={b}, f(10)={10 * a + b}. Read x, print f(x)."
+    response = f"<think>f(x)={a}*x+{b}</think>\n```python\n{code_program(a, b, flaw)}\n```"
+    return {"prompt": prompt, "response": response,
+            "inputs": [f"{x}\n" for x in CODE_TEST_INPUTS],
+            "outputs": [f"{a * x + b}\n" for x in CODE_TEST_INPUTS]}
+
+
+def write_code_function_data(out_dir: str | Path, *, seed: int = 0, n_sft: int = 2000,
+                             n_rl: int = 1000, n_eval: int = 48, flaw_rate: float = 0.4
+                             ) -> dict[str, Path]:
+    """The toy code task's sft.jsonl (prompt/response; a ``flaw_rate`` share of the programs
+    flawed), rl.jsonl and eval.jsonl (prompt with inputs/outputs tests, scored by the code
+    rewards in the sandbox). Functions are ``a`` in 1..49, ``b`` in 0..9; the eval functions
+    are never in the SFT or RL data."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(1, 50) for b in range(10)]
+    rng.shuffle(pairs)
+    eval_pairs, train = pairs[:n_eval], pairs[n_eval:]
+    flaws, weights = zip(*CODE_FLAWS)
+    paths = {name: out / f"{name}.jsonl" for name in ("sft", "rl", "eval")}
+    sft = []
+    for _ in range(n_sft):
+        flaw = rng.choices(flaws, weights)[0] if rng.random() < flaw_rate else None
+        p = code_function_problem(*rng.choice(train), flaw)
+        sft.append({"prompt": p["prompt"], "response": p["response"]})
+    write_records(paths["sft"], sft)
+    for name, chosen in (("rl", (rng.choice(train) for _ in range(n_rl))), ("eval", eval_pairs)):
+        write_records(paths[name], ({k: v for k, v in code_function_problem(a, b).items()
+                                     if k != "response"} for a, b in chosen))
     return paths

@@ -1,6 +1,7 @@
 """Reward functions, picked by name from RL configs.
 
-``get_reward("math")``, ``get_reward("code")`` (0/1 and pass rate), ``"math_klear"`` /
+``get_reward("math")``, ``get_reward("code")`` (the test pass rate), ``"code_hard"`` (1 only
+when every test passes), ``"math_klear"`` /
 ``"code_klear"`` (Klear's +-1 with format penalties, rewards/klear.py) or
 ``get_reward("pkg.module:function")`` returns a ``RewardFn(response, label) -> float``;
 ``register_reward`` adds a name. A reward's best score is its ``max_score`` attribute (default
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 _REWARDS = Registry("reward", {"math": "megatron_klear.rewards.math:math_reward",
                                "code": "megatron_klear.rewards.code:code_reward",
+                               "code_hard": "megatron_klear.rewards.code:code_reward_hard",
                                "math_klear": "megatron_klear.rewards.klear:math_klear",
                                "code_klear": "megatron_klear.rewards.klear:code_klear",
                                "none": "megatron_klear.rewards:no_reward"})

@@ -1,4 +1,5 @@
-"""Soft code reward: the fraction of test cases the response's program passes.
+"""Code rewards: soft (``code``: the fraction of test cases the response's program passes)
+and hard (``code_hard``: 1 only when it passes them all, as a LiveCodeBench verdict).
 
 The program is the last fenced python block after ``</think>``. Supported test formats:
 
@@ -224,3 +225,11 @@ def code_reward(response: str, tests: dict, *, timeout_s: float = DEFAULT_TIMEOU
     its own sandbox with ``timeout_s`` wall time and ``memory_mb`` address space."""
     verdicts = case_verdicts(response, tests, timeout_s=timeout_s, memory_mb=memory_mb, pool=pool)
     return sum(verdicts) / len(verdicts) if verdicts else 0.0
+
+
+def code_reward_hard(response: str, tests: dict, **kw: Any) -> float:
+    """1.0 when the program passes every test case, else 0.0: the hard reward of
+    Klear-Reasoner's section 5.2.3, which gives a partially correct program no credit (the soft
+    :func:`code_reward` gives it its pass rate); ``kw`` as :func:`code_reward`'s."""
+    verdicts = case_verdicts(response, tests, **kw)
+    return float(bool(verdicts) and all(verdicts))
