@@ -158,14 +158,15 @@ def train_on_batch(engine: Engine, cfg: RLConfig, batch: RolloutBatch, pad_id: i
     for mbs in mbs_per_mini:
         annotate_aggregation(mbs)
     t_pack = time.time() - t0
+    every_mb = [mb for mbs in mbs_per_mini for mb in mbs]
     t0 = time.time()
     if reference is not None:
         with reference.swapped_in():
-            old_logprobs(engine, [mb for mbs in mbs_per_mini for mb in mbs], vocab,
-                         cfg.rollout_temperature, key="ref_logprobs", entropy_key=None)
+            old_logprobs(engine, every_mb, vocab, cfg.rollout_temperature, key="ref_logprobs",
+                         entropy_key=None)
     t_ref = time.time() - t0
-    t_teacher = teacher_logprobs(teacher, [mb for mbs in mbs_per_mini for mb in mbs],
-                                 cfg.opd_teacher_temperature) if teacher is not None else 0.0
+    t_teacher = teacher_logprobs(teacher, every_mb, cfg.opd_teacher_temperature) \
+        if teacher is not None else 0.0
     t0 = time.time()
     # the first mini-batch trains on the policy that sampled: its old log-probs come from its
     # own training forward (policy_loss_fn); the later ones need the pre-update policy
