@@ -5,11 +5,15 @@ with LoRA at TP2 x DP2.
 * A run whose whole process group (launcher, ranks, checkpoint writers) is SIGKILLed
   mid-run and restarted repeats the uninterrupted run bitwise: losses, grad norms, samples.
 * A load across a DP change, optimizer state included: the TP1 x DP2 run's iter 2 resumed
-  at DP1 to iter 4, that resumed at DP2 again, give the DP2 run's losses (measured: bitwise;
-  a DP1 resume without the optimizer state is 0.05 off at its second step).
+  at DP1, and that run's iter 4 resumed at DP2 again, give the DP2 run's samples and losses
+  within 1e-3. DP1 and DP2 sum gradients in different orders (grad norms 1e-7 apart from
+  step 5), so the bf16 losses are bitwise equal to step 6 and 5e-5 apart at step 8
+  (measured); a DP1 resume without the optimizer state is 0.05 off at its second step.
 
-The tiniest model, 5 steps, a save every 2; the uninterrupted run goes side by side with
-the killed one.
+The tiniest model, 8 steps, a save every 2, the kill after step 3 is logged; the
+uninterrupted run goes side by side with the killed one. A step takes well under a second,
+so the kill needs five steps of headroom: with five steps in all, a CI machine once starved
+this process until the killed run had finished.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import pytest
 from megatron_klear.train.metrics import read_metrics
 from tests.multiprocess.test_sft import _final_by_step
 
-ITERS = 5
+ITERS = 8
 LORA = ("--lora-rank", "4", "--lora-alpha", "8")
 # LoRA at TP2 x DP2 only: its adapters are sharded there as well as split over DP (TP1's
 # LoRA case adds no path the TP2 one skips, and each case is three launches)
@@ -96,6 +100,7 @@ def runs(inputs):
         proc = _run(_cli(inputs, 2 * tp, killed, *flags))
         _kill_group_after(proc, killed / "metrics.jsonl", 3)
         logged = len(read_metrics(killed / "metrics.jsonl"))
+        assert logged < ITERS, f"{name}: the kill landed after the last step was logged"
         _finish(_run(_cli(inputs, 2 * tp, killed, *flags)))
         _finish(ref)
         resumed_at = read_metrics(killed / "metrics.jsonl")[logged]["step"]
@@ -108,8 +113,8 @@ def runs(inputs):
 def test_sigkilled_run_resumes_bitwise(runs, case):
     ref, got, resumed_at = runs[case]
     assert sorted(got) == sorted(ref) == list(range(1, ITERS + 1))
-    # the restart resumed a checkpoint (iter 2, or iter 4 where the kill landed a step late
-    # on busy cores) and trained on from it
+    # the restart resumed a checkpoint (iter 2, or a later one where the kill landed late on
+    # busy cores) and trained on from it
     assert 1 < resumed_at <= ITERS
     for step in ref:
         for key in ("loss", "grad_norm", "samples"):
@@ -130,4 +135,4 @@ def test_optimizer_state_loads_across_a_dp_change(inputs, runs):
         assert sorted(got) == list(steps), run
         for step in steps:
             assert got[step]["samples"] == ref[step]["samples"], (run, step)
-            assert abs(got[step]["loss"] - ref[step]["loss"]) < 1e-5, (run, step)
+            assert abs(got[step]["loss"] - ref[step]["loss"]) < 1e-3, (run, step)
