@@ -2,7 +2,6 @@
 file behind, and leave the parent unharmed. Where an attack would fool a naive harness,
 a negative control shows that it really does."""
 
-import glob
 import http.server
 import json
 import os
@@ -15,8 +14,9 @@ import time
 import psutil
 import pytest
 
+from megatron_klear.rewards import sandbox
 from megatron_klear.rewards.code import code_reward
-from megatron_klear.rewards.sandbox import (SANDBOX_ENV, UID_BASE, UID_SPAN, SandboxJob,
+from megatron_klear.rewards.sandbox import (SANDBOX_ENV, SandboxJob,
                                             SandboxLimits, run_python)
 
 LIMIT_S = 1.5
@@ -31,19 +31,38 @@ def _fence(code: str) -> str:
     return f"```python\n{code}\n```"
 
 
-def _sandbox_procs() -> list:
-    return [p for p in psutil.process_iter(["uids", "cmdline"])
-            if UID_BASE <= p.info["uids"].real < UID_BASE + UID_SPAN
-            or "sandbox_launcher.py" in " ".join(p.info["cmdline"] or [])]
+class _Runs:
+    """The sandbox runs a test starts in this process (work dir and uid of each), so the
+    leftover checks see this test's runs only, not those of a test beside it (pytest-xdist)."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[str, int | None]] = []
+
+    def procs(self) -> list:
+        """Live processes of these runs: their uids' and their launchers."""
+        uids = {uid for _, uid in self.made}
+        dirs = [workdir for workdir, _ in self.made]
+        return [p for p in psutil.process_iter(["uids", "cmdline"])
+                if p.info["uids"].real in uids
+                or "sandbox_launcher.py" in " ".join(cmd := p.info["cmdline"] or [])
+                and any(d in " ".join(cmd) for d in dirs)]
 
 
 @pytest.fixture
-def clean():
-    """Asserts after the test: no sandbox process and no sandbox work dir is left."""
-    before = set(glob.glob("/tmp/klear-sbx-*"))
-    yield
-    assert _sandbox_procs() == []
-    assert set(glob.glob("/tmp/klear-sbx-*")) - before == set()
+def clean(monkeypatch):
+    """Asserts after the test: none of its sandbox runs left a process or a work dir."""
+    runs, prepare = _Runs(), sandbox._prepare_workdir
+
+    def recorded(files, uid):
+        workdir = prepare(files, uid)
+        runs.made.append((workdir, uid))
+        return workdir
+
+    monkeypatch.setattr(sandbox, "_prepare_workdir", recorded)
+    yield runs
+    assert runs.made, "the test ran no sandbox in this process: nothing was checked"
+    assert runs.procs() == []
+    assert [d for d, _ in runs.made if os.path.exists(d)] == []
 
 
 def _scores_zero(code: str, tests: dict = ADD, limit: float = LIMIT_S) -> None:
@@ -66,7 +85,7 @@ def test_process_limit_then_fork_bomb(clean):
     res = run_python(SandboxJob({"main.py": counter}, "main.py",
                                 limits=SandboxLimits(wall_s=LIMIT_S, max_processes=8)))
     assert res.returncode == 0 and 1 <= int(res.stdout) < 8, res
-    assert _sandbox_procs() == []  # the sleeping children died with the run
+    assert clean.procs() == []  # the sleeping children died with the run
     # ... only then run a fork bomb that survives fork failures.
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     _scores_zero(bomb)
