@@ -129,6 +129,11 @@ def test_teacher_top_logprobs_match_transformers(models, servers):
                                  out["meta_info"]["output_top_logprobs"], strict=True):
         assert len(row) == TOP_K and row[0][0] >= lp  # the sampled token's distribution
         assert all(e[0] == pytest.approx(lp) for e in row if e[1] == tok)
+    # a batch whose prompts ask different k (SGLang's per-prompt list): each row its own k
+    (both,) = RolloutClient([servers["teacher"]]).post_balanced(
+        "/generate", [{**gen, "input_ids": [p, p], "top_logprobs_num": [TOP_K, 2]}])
+    assert [[len(row) for row in o["meta_info"]["output_top_logprobs"]] for o in both] == \
+        [[TOP_K] * 3, [2] * 3]
     want_lp, want_ids = _hf_top_logprobs(hf, p + r, TOP_K)
     for row, lp, ids in zip(rows[1:], want_lp[len(p) - 1:], want_ids[len(p) - 1:]):
         assert [e[1] for e in row] == ids.tolist() and all(e[2] is None for e in row)

@@ -319,19 +319,21 @@ class Generator:
             targets = ids[row, start + 1:]
             s.input_logprobs = lp.gather(1, targets[:, None])[:, 0].tolist()
             if s.top_logprobs_num:
-                s.input_top_logprobs = _top_logprobs(lp, s.top_logprobs_num)
+                s.input_top_logprobs = _top_logprobs(lp, [s.top_logprobs_num] * len(lp))
 
     def _step(self, seqs: list[Sequence], settings: RowSettings, logprobs: torch.Tensor,
               uniforms: torch.Tensor) -> None:
         tokens = sample_next(logprobs, settings, uniforms)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        ks = [s.top_logprobs_num if s.finish_reason is None else 0 for s in seqs]
+        tops = _top_logprobs(logprobs, ks) if any(ks) else []
         for row, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), chosen)):
             if s.finish_reason is not None:
                 continue
             s.output_ids.append(tok)
             s.logprobs.append(lp)
             if s.top_logprobs_num:
-                s.output_top_logprobs += _top_logprobs(logprobs[row:row + 1], s.top_logprobs_num)
+                s.output_top_logprobs.append(tops[row])
             self._check_stop(s, tok)
 
     def _check_stop(self, s: Sequence, tok: int) -> None:
@@ -507,8 +509,10 @@ class Generator:
         return fits
 
 
-def _top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[list[float], list[int]]]:
-    """Per row of ``logprobs`` [rows, V]: its ``k`` largest log-probs and their ids, sorted
-    descending (SGLang's ``logprobs.topk(k)``, sglang/srt/layers/logprob_processor.py)."""
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return list(zip(values.tolist(), ids.tolist()))
+def _top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[tuple[list[float], list[int]]]:
+    """Per row of ``logprobs`` [rows, V]: its ``ks[row]`` largest log-probs and their ids,
+    sorted descending. As SGLang's ``get_top_logprobs_raw``
+    (sglang/srt/layers/logprob_processor.py): one ``topk`` at the largest k for all rows,
+    each row then cut to its own k."""
+    values, ids = logprobs.topk(min(max(ks), logprobs.shape[-1]), dim=-1)
+    return [(v[:k], i[:k]) for v, i, k in zip(values.tolist(), ids.tolist(), ks)]
