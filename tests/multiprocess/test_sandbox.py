@@ -42,10 +42,13 @@ class _Runs:
         """Live processes of these runs: their uids' and their launchers."""
         uids = {uid for _, uid in self.made}
         dirs = [workdir for workdir, _ in self.made]
-        return [p for p in psutil.process_iter(["uids", "cmdline"])
-                if p.info["uids"].real in uids
-                or "sandbox_launcher.py" in " ".join(cmd := p.info["cmdline"] or [])
-                and any(d in " ".join(cmd) for d in dirs)]
+
+        def ours(p: psutil.Process) -> bool:
+            line = " ".join(p.info["cmdline"] or [])
+            return p.info["uids"].real in uids or (
+                "sandbox_launcher.py" in line and any(d in line for d in dirs))
+
+        return [p for p in psutil.process_iter(["uids", "cmdline"]) if ours(p)]
 
 
 @pytest.fixture
