@@ -18,6 +18,7 @@ this process until the killed run had finished.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -79,6 +80,9 @@ def _kill_group_after(proc: subprocess.Popen, metrics: Path, steps: int) -> None
         if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
             family = psutil.Process(proc.pid).children(recursive=True)
             os.killpg(proc.pid, signal.SIGKILL)
+            for p in family:  # ranks in sessions of their own: the group kill misses them, and
+                with contextlib.suppress(psutil.NoSuchProcess):  # they trained on (seen: 5
+                    p.kill()  # more steps logged) until they noticed the launcher gone
             proc.communicate()
             _, alive = psutil.wait_procs(family, timeout=20)
             assert not alive, [p.pid for p in alive]
