@@ -10,10 +10,9 @@ with LoRA at TP2 x DP2.
   step 5), so the bf16 losses are bitwise equal to step 6 and 5e-5 apart at step 8
   (measured); a DP1 resume without the optimizer state is 0.05 off at its second step.
 
-The tiniest model, 8 steps, a save every 2, the kill after step 3 is logged; the
-uninterrupted run goes side by side with the killed one. A step takes well under a second,
-so the kill needs five steps of headroom: with five steps in all, a CI machine once starved
-this process until the killed run had finished.
+The tiniest model, 8 steps, a save every 2, the kill after step 3 is logged (the launcher's
+group and each rank: the ranks sit in sessions of their own); the uninterrupted run goes side
+by side with the killed one.
 """
 
 from __future__ import annotations
