@@ -34,7 +34,7 @@ from megatron_klear.rewards.sandbox import SandboxJob, SandboxLimits, SandboxPoo
 from megatron_klear.rewards.text import last_python_block
 
 log = logging.getLogger(__name__)
-DEFAULT_TIMEOUT_S = 3.0
+DEFAULT_TIMEOUT_S = 3.0  # CPU seconds per run of the program (SandboxLimits.cpu_bound)
 DEFAULT_MEMORY_MB = 512
 MAX_LITERAL_CHARS = 1 << 20
 _HARNESS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_harness.py")
@@ -182,8 +182,8 @@ def _humaneval(code: str, tests: dict, limits: SandboxLimits, pool: SandboxPool)
         return [False] * len(cases)
     spec = {"cases": cases, "records": records, "test": tests["test"],
             "entry_point": str(tests["entry_point"]), "context": tests.get("context")}
-    replay_limits = SandboxLimits(wall_s=limits.wall_s + 0.5 * len(cases), memory_mb=1024,
-                                  output_bytes=limits.output_bytes)
+    replay_limits = SandboxLimits.cpu_bound(limits.cpu_s + 0.5 * len(cases), memory_mb=1024,
+                                            output_bytes=limits.output_bytes)
     res = pool.map([SandboxJob({"harness.py": HARNESS_SOURCE, "replay.json": json.dumps(spec)},
                                "harness.py", ("replay",), limits=replay_limits)])[0]
     verdicts = _result_json(res).get("verdicts")
@@ -215,14 +215,15 @@ def case_verdicts(response: str, tests: dict, *, timeout_s: float = DEFAULT_TIME
     if not code or not code.strip() or not _compiles(code):
         n = len(humaneval_cases(tests["test"])) if kind == "humaneval" else len(tests["inputs"])
         return [False] * n
-    limits = SandboxLimits(wall_s=timeout_s, memory_mb=memory_mb)
+    limits = SandboxLimits.cpu_bound(timeout_s, memory_mb=memory_mb)
     return _RUNNERS[kind](code, tests, limits, pool or shared_pool())
 
 
 def code_reward(response: str, tests: dict, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                 memory_mb: int = DEFAULT_MEMORY_MB, pool: SandboxPool | None = None) -> float:
     """passed / total test cases of the last python block of ``response``, each case run in
-    its own sandbox with ``timeout_s`` wall time and ``memory_mb`` address space."""
+    its own sandbox with ``timeout_s`` CPU seconds and ``memory_mb`` address space. CPU time,
+    not wall time, decides, so a verdict does not change with the machine's load."""
     verdicts = case_verdicts(response, tests, timeout_s=timeout_s, memory_mb=memory_mb, pool=pool)
     return sum(verdicts) / len(verdicts) if verdicts else 0.0
 

@@ -57,9 +57,14 @@ class SandboxError(RuntimeError):
     """The sandbox could not be set up (not a failure of the program under test)."""
 
 
+# A CPU-bound run's wall limit, as a multiple of its CPU limit (see SandboxLimits.cpu_bound)
+WALL_BACKSTOP = 4.0
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits of one run. cpu_s defaults to wall_s."""
+    """Resource limits of one run. ``wall_s`` is enforced by the parent; ``cpu_s`` (default:
+    ``wall_s``) by the kernel (RLIMIT_CPU), per process, in whole seconds rounded up."""
 
     wall_s: float = 3.0
     cpu_s: float | None = None
@@ -68,6 +73,14 @@ class SandboxLimits:
     output_bytes: int = 1 << 20
     file_bytes: int = 16 << 20
     open_files: int = 64
+
+    @classmethod
+    def cpu_bound(cls, cpu_s: float, **kw: int) -> "SandboxLimits":
+        """Limits whose verdict is the program's CPU time, which the machine's load does not
+        change (a wall limit does: a program that passes on idle cores times out on busy
+        ones). The wall limit, ``WALL_BACKSTOP`` x ``cpu_s`` + 1 s, only stops programs that
+        block without computing."""
+        return cls(wall_s=WALL_BACKSTOP * cpu_s + 1.0, cpu_s=cpu_s, **kw)
 
 
 @dataclass

@@ -20,6 +20,7 @@ Steps:
 
 import ctypes
 import json
+import math
 import os
 import resource
 import select
@@ -110,7 +111,7 @@ def _private_filesystem(workdir: str, prefix: str) -> None:
 
 
 def _limits(cfg: dict) -> None:
-    cpu = int(cfg["cpu_s"]) + 1
+    cpu = math.ceil(cfg["cpu_s"])  # soft = hard: the kernel SIGKILLs the process there
     mem = cfg["memory_mb"] << 20
     for res, val in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu),
                      (resource.RLIMIT_NPROC, cfg["max_processes"]),
