@@ -73,7 +73,7 @@ setup(
         # constraints-gpu.txt (sglang pins torch; TE and _C build against that torch)
         "gpu": ["transformer-engine[pytorch,core_cu13]==2.11.0", "sglang==0.5.23",
                 "sglang-router==0.3.2", "torch-memory-saver==0.0.10"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist"],
         "wandb": ["wandb"],
     },
     entry_points={"console_scripts": [

@@ -19,16 +19,17 @@ __all__ = ["free_port", "free_port_range", "initialize_parallel", "seed_everythi
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on ``host`` right now, for a server or rendezvous bound a moment later:
+    drawn as :func:`free_port_range` draws (a port the kernel hands out for ``bind(0)`` is in
+    the ephemeral range, where any process's outgoing connection can take it before then)."""
+    return free_port_range(1, host)
 
 
 def free_port_range(count: int, host: str = "127.0.0.1", tries: int = 100) -> int:
     """The first of ``count`` consecutive TCP ports free on ``host`` right now, for launchers
-    that place servers at BASE_PORT + i. Drawn below Linux's ephemeral range (32768+), where
-    the suite's own client sockets would otherwise take BASE_PORT + i between draw and bind."""
+    that place servers at BASE_PORT + i. Drawn at random below Linux's ephemeral range
+    (32768+), where client sockets (this process's, or another's on the host) would otherwise
+    take BASE_PORT + i between draw and bind."""
     rng = random.Random()
     for _ in range(tries):
         base = rng.randrange(20000, 32768 - count)

@@ -30,6 +30,7 @@ SLOW_TIERS = ("multiprocess", "interop", "examples")
 TESTS = Path(__file__).resolve().parent
 # the folders of test files, one per tier; interop/ and examples/ mark every test under them
 TIER_FOLDERS = ("unit", "multiprocess", "interop", "examples")
+RUN_ORDER = ("interop", "examples", "multiprocess", "unit", None)
 # names whose use in a test's code means it starts processes
 LAUNCHERS = frozenset({"run_distributed", "subprocess", "Popen", "launch_embedded_servers",
                        "launch_sglang_servers", "start_sglang", "launch_nodes",
@@ -92,3 +93,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.multiprocess)
         if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
+    # the heaviest tiers first (a stable sort: files and tests keep their order within a
+    # tier), so the two xdist workers, one file each (pytest.ini), finish on the short
+    # in-process files rather than one idling while the other starts SGLang
+    items.sort(key=lambda item: RUN_ORDER.index(tier_folder(item.path)))

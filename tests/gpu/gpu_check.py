@@ -63,8 +63,10 @@ def step_parity() -> dict:
 
     if not _C.with_cuda:
         return {"ok": False, "numbers": "megatron_klear._C was built without CUDA"}
+    # -o addopts="": pytest.ini's "-n 2" needs pytest-xdist, which the GPU image lacks
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/unit/test_policy_loss_op.py", "-k", "cuda-cuda"], cwd=ROOT,
+                          "-o", "addopts=", "tests/unit/test_policy_loss_op.py", "-k",
+                          "cuda-cuda"], cwd=ROOT,
                          capture_output=True, text=True)
     print(run.stdout[-4000:], run.stderr[-2000:], flush=True)
     summary = next((ln for ln in reversed(run.stdout.splitlines()) if " in " in ln), "")

@@ -45,14 +45,15 @@ python3 setup.py build_ext --inplace
 python3 -c 'from megatron_klear import _C; import sys;
 sys.exit(0 if _C.with_cuda else "run_gpu_checks: _C was built without CUDA (nvcc/CUDA_HOME?)")'
 
+# -o addopts=: pytest.ini's "-n 2" needs pytest-xdist, which the GPU image lacks
 step "parity tests (cpu, cuda-emu and cuda backends vs the torch reference)"
-python3 -m pytest -q --timeout 900 tests/unit/test_policy_loss_op.py tests/multiprocess/test_cuda_emu.py
+python3 -m pytest -q -o addopts= --timeout 900 tests/unit/test_policy_loss_op.py tests/multiprocess/test_cuda_emu.py
 
 step "kernel bandwidth and rows beyond 2^31 elements (T=32768, V/TP=151936 bf16)"
 python3 tests/gpu/kernel_bandwidth.py --tokens 32768 --vocab 151936 --repeats 10
 
 step "issue 30: the GPU path's calls on one GPU (tests/multiprocess/test_gpu_path.py)"
-python3 -m pytest -q --timeout 900 tests/multiprocess/test_gpu_path.py
+python3 -m pytest -q -o addopts= --timeout 900 tests/multiprocess/test_gpu_path.py
 
 step "2-GPU smoke test of the GPU path: TE spec, TP2+SP, recompute, distributed optimizer"
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
