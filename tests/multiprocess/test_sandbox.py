@@ -94,7 +94,7 @@ def test_process_limit_then_fork_bomb(clean):
     assert clean.procs() == []  # the sleeping children died with the run
     # ... only then run a fork bomb that survives fork failures.
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    _scores_zero(bomb)
+    _scores_zero(bomb, limit=0.5)  # its forks share the cores: the wall backstop decides
     assert psutil.Process().is_running()
 
 
