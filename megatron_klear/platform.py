@@ -20,6 +20,10 @@ dist_checkpointing) runs on CPU under gloo:
   precision-aware optimizer's TE version check without TE (:func:`_patch_megatron_optimizer_config`,
   GPU machines without TE too).
 
+* megatron's jit fuser off (:func:`megatron_jit_loaded`, called by the import hook in
+  megatron_klear/__init__.py): its ``torch.compile`` wrappers import inductor, ~1.4 s of CPU a
+  process, for fusions our configs switch off.
+
 * pinned host memory emulated (``pin_memory()``, ``pin_memory=True``, ``is_pinned()``), which
   CUDA-less torch refuses.
 
@@ -48,7 +52,7 @@ from megatron_klear.heap import keep_freed_memory
 
 __all__ = ["Platform", "setup", "cuda_available", "device", "backend", "batch_p2p_comm",
            "is_emulated", "host_only_section", "gpu_uuid", "gpu_index_of_uuid", "pinned_buffer",
-           "pinned_bytes"]
+           "pinned_bytes", "megatron_jit_loaded"]
 
 
 _TORCH_CUDA_AVAILABLE = torch.cuda.is_available  # strict device mode replaces the attribute
@@ -57,6 +61,17 @@ _TORCH_CUDA_AVAILABLE = torch.cuda.is_available  # strict device mode replaces t
 def cuda_available() -> bool:
     """True when a real CUDA device can be used."""
     return _TORCH_CUDA_AVAILABLE()
+
+
+def megatron_jit_loaded(jit) -> None:
+    """Without CUDA, turn megatron's jit fuser off with its own switch (megatron/core/jit.py).
+
+    megatron-core wraps its fused activations in ``torch.compile`` when they are imported,
+    which imports inductor: ~1.4 s of CPU in every process. Our model configs switch every
+    fusion off, so on CPU that import buys nothing. With CUDA the fuser stays as megatron sets
+    it. Called by the import hook in megatron_klear/__init__.py."""
+    if not cuda_available() and hasattr(jit, "disable_jit_fuser"):
+        jit.disable_jit_fuser()
 
 
 def device() -> torch.device:

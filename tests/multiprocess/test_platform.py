@@ -39,6 +39,15 @@ CHECKS = {
         assert torch.ones(1).type() == 'torch.cuda.FloatTensor'
         assert torch.ones(1, dtype=torch.bfloat16).type() == 'torch.cuda.BFloat16Tensor'
         assert torch.ones(1).type(torch.float64).dtype == torch.float64"""),
+    # megatron's fusions stay eager functions, and inductor is never imported (it costs ~1.4 s
+    # of CPU a process): megatron_klear/__init__.py turns megatron's jit fuser off without CUDA
+    "megatron_jit_fuser_off": textwrap.dedent("""
+        import sys
+        from megatron.core import jit
+        from megatron.core.fusions import fused_bias_swiglu
+        assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser
+        assert type(fused_bias_swiglu.swiglu).__name__ == 'function'
+        assert 'torch._inductor.lowering' not in sys.modules"""),
     "idempotent": "from megatron_klear import platform as p2; assert p2.setup() is plat",
     "backend_is_gloo": "assert plat.backend == 'gloo' and plat.emulated and str(plat.device) == 'cpu'",
 }

@@ -62,6 +62,8 @@ def module_name(path: Path) -> str:
 def climbing(module: str, source: str) -> list[str]:
     """The imports of ``source`` (module ``module``) that reach a layer above its own."""
     own = layer_of(module)
+    if own is None:  # the package faces load before their modules: the bottom layer only
+        own = 0
     return sorted(m for m in imported_modules(source)
                   if (layer := layer_of(m)) is not None and layer > own)
 
