@@ -17,18 +17,15 @@ by side with the killed one.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from megatron_klear.train.metrics import read_metrics
+from tests.kill_points import kill_when_logged
 from tests.multiprocess.test_sft import _final_by_step
 
 ITERS = 5
@@ -71,26 +68,6 @@ def _finish(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, err[-3000:]
 
 
-def _kill_group_after(proc: subprocess.Popen, metrics: Path, steps: int) -> None:
-    """SIGKILL the launcher, its ranks and their children (one process group: a node lost)
-    once ``steps`` steps are logged."""
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-            family = psutil.Process(proc.pid).children(recursive=True)
-            os.killpg(proc.pid, signal.SIGKILL)
-            for p in family:  # ranks in sessions of their own: the group kill misses them, and
-                with contextlib.suppress(psutil.NoSuchProcess):  # they trained on (seen: 5
-                    p.kill()  # more steps logged) until they noticed the launcher gone
-            proc.communicate()
-            _, alive = psutil.wait_procs(family, timeout=20)
-            assert not alive, [p.pid for p in alive]
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"the run ended before step {steps} was logged: "
-                         f"{proc.communicate()[1][-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def runs(inputs):
     """Per case: the uninterrupted run's and the killed-then-restarted run's metrics."""
@@ -101,7 +78,7 @@ def runs(inputs):
         ref = _run(_cli(inputs, 2 * tp, root / name / "ref", *flags))
         killed = root / name / "run"
         proc = _run(_cli(inputs, 2 * tp, killed, *flags))
-        _kill_group_after(proc, killed / "metrics.jsonl", 3)
+        kill_when_logged(proc, killed / "metrics.jsonl", 3, group=True)  # a node lost
         logged = len(read_metrics(killed / "metrics.jsonl"))
         assert logged < ITERS, f"{name}: the kill landed after the last step was logged"
         _finish(_run(_cli(inputs, 2 * tp, killed, *flags)))

@@ -421,12 +421,11 @@ def test_rl_with_lora_trains_syncs_merged_weights_and_resumes_bitwise(hf_model, 
     are test_trainer_export_writes_merged_weights_and_a_peft_folder_that_agree's: the sync
     and the export walk the same hf_bridge.export_views.)"""
     import os
-    import signal
     import subprocess
     import sys
-    import time
 
     from megatron_klear.train.metrics import read_metrics
+    from tests.kill_points import kill_when_logged
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cli = lambda save: [sys.executable, "-m", "megatron_klear.train.rl",  # noqa: E731
@@ -440,14 +439,7 @@ def test_rl_with_lora_trains_syncs_merged_weights_and_resumes_bitwise(hf_model, 
     proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_logged(proc, metrics, 2)
     assert ref_run.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     ref_log.close()
     hist = read_metrics(tmp_path / "ref" / "metrics.jsonl")

@@ -509,10 +509,10 @@ def test_killed_gppo_opd_run_resumes_bitwise(models, servers, tmp_path):
     step's loss, reverse KL, rewards and prompts equal an uninterrupted run's; some step mixes
     both signals (the teacher's share strictly between 0 and 1)."""
     import os
-    import signal
     import subprocess
     import sys
-    import time
+
+    from tests.kill_points import kill_when_logged
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say something about {i}.",
@@ -534,14 +534,7 @@ def test_killed_gppo_opd_run_resumes_bitwise(models, servers, tmp_path):
     proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_logged(proc, metrics, 2, group=True, timeout=400)
     assert ref_run.wait(timeout=400) == 0, ref_run.stderr.read()[-3000:]
     subprocess.run(cli(tmp_path / "run"), check=True, env=env, capture_output=True)
     ref = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")}

@@ -4,19 +4,18 @@ import functools
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
 from unittest import mock
 
-import psutil
 import pytest
 import torch
 
 from megatron_klear.train.metrics import read_metrics
 from tests.dist import run_distributed
-from tests.rollout_helpers import cmdline, fixed_rollout_batch
+from tests.kill_points import kill_when_logged
+from tests.rollout_helpers import fixed_rollout_batch
 
 EPS_L, EPS_H, ALPHA = 0.2, 0.28, 0.1
 
@@ -349,23 +348,12 @@ def test_killed_run_resumes_bitwise(hf_model, prompts, tmp_path):
     proc = subprocess.Popen(cli(tmp_path / "run"), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            family = psutil.Process(proc.pid).children(recursive=True)
-            kinds = [cmdline(p) for p in family]
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert ref_run.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
-    ref_log.close()
     # megatron's checkpoint writer (a multiprocessing Manager, started by the saves of steps
     # 1-2) and every other child die with the trainer (checkpoint/state.py)
+    kinds = kill_when_logged(proc, metrics, 2)
     assert any("multiprocessing" in k for k in kinds), kinds
-    _, alive = psutil.wait_procs(family, timeout=20)
-    assert not alive, [p.pid for p in alive]
+    assert ref_run.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    ref_log.close()
     killed_lines = len(read_metrics(metrics))
     subprocess.run(cli(tmp_path / "run"), check=True, env=env, capture_output=True)
     ref = {r["step"]: r for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")}
@@ -448,14 +436,7 @@ def test_killed_async_run_resumes_exactly(hf_model, prompts, tmp_path):
                      "--no-dynamic-sampling", "--no-probe-weights")]
     proc = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = run / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_logged(proc, metrics, 2)
     subprocess.run(cli, check=True, env=env, capture_output=True)
     records = read_metrics(metrics)  # the killed run's lines and the resumed run's
     last = {r["step"]: r for r in records}
