@@ -1,5 +1,5 @@
-"""The kill point of the SIGKILL-and-resume tests: a trainer killed once its metrics file
-holds N lines, and its children checked gone.
+"""The kill point of the SIGKILL-and-resume tests: a trainer (or klear-eval) killed once its
+metrics (or samples) file holds N whole lines, and its children checked gone.
 
 test_sft.py freezes the trainer before it kills (``_stop_when``): its kill points are a
 save in flight, which a poll alone could miss.
@@ -21,7 +21,7 @@ from tests.rollout_helpers import cmdline
 
 def kill_when_logged(proc: subprocess.Popen, metrics: Path, lines: int, *, group: bool = False,
                      timeout: float = 300) -> list[str]:
-    """SIGKILL ``proc`` once ``metrics`` holds ``lines`` lines, and return the command lines
+    """SIGKILL ``proc`` once ``metrics`` holds ``lines`` whole lines, and return the command lines
     of its descendants at that moment, all of them gone within 20 s.
 
     ``group=False`` kills the trainer alone: its children must die with it (the trainer's
@@ -31,7 +31,7 @@ def kill_when_logged(proc: subprocess.Popen, metrics: Path, lines: int, *, group
     """
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
+        if metrics.exists() and metrics.read_text().count("\n") >= lines:
             family = psutil.Process(proc.pid).children(recursive=True)
             kinds = [cmdline(p) for p in family]
             if group:

@@ -2,15 +2,14 @@
 
 import json
 import math
-import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
 
 import pytest
 
 from megatron_klear.eval.evaluate import parse_benchmark
+from tests.kill_points import kill_when_logged
 
 REWARD = "tests.reward_plugins:parity_reward"
 K = 3
@@ -79,14 +78,7 @@ def test_interrupted_eval_resumes(setup, full_run):
     proc = subprocess.Popen(_cli(hf, bench, out),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     samples = out / "samples.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if samples.exists() and samples.read_text().count("\n") >= 16 * K:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_logged(proc, samples, 16 * K, timeout=120)
     first = samples.read_text().count("\n")
     assert 0 < first < 40 * K
     subprocess.run(_cli(hf, bench, out), check=True, capture_output=True)
